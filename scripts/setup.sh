@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Build .venv from nothing (finding a Python >= 3.12) and install dsv3-jax with its test extra.
+# Idempotent: a venv whose install stamp matches pyproject.toml is reused.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+is_py312() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; }
+
+find_python() {
+  local candidate
+  for candidate in python3.14 python3.13 python3.12 python3 python; do
+    if command -v "$candidate" >/dev/null 2>&1 && is_py312 "$(command -v "$candidate")"; then
+      command -v "$candidate"; return 0
+    fi
+  done
+  local pyenv_root="${PYENV_ROOT:-$HOME/.pyenv}"
+  command -v pyenv >/dev/null 2>&1 && pyenv_root="$(pyenv root)"
+  for candidate in $(ls -d "$pyenv_root"/versions/3.1[2-9]* 2>/dev/null | sort -rV); do
+    for exe in "$candidate"/bin/python3.1[2-9]; do
+      if [ -x "$exe" ] && is_py312 "$exe"; then echo "$exe"; return 0; fi
+    done
+  done
+  return 1
+}
+
+stamp_of() { sha256sum pyproject.toml | cut -c1-16; }
+
+if [ -x .venv/bin/python ] && [ "$(cat .venv/.dsv3-stamp 2>/dev/null)" = "$(stamp_of)" ]; then
+  exit 0
+fi
+PYTHON="$(find_python)" || { echo "setup: no Python >= 3.12 found on PATH or under pyenv" >&2; exit 1; }
+echo "setup: using $PYTHON" >&2
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+stamp_of > .venv/.dsv3-stamp
