@@ -1,0 +1,126 @@
+"""Multi-head latent attention (MLA) on an explicit, stacked cache.
+
+Two ways to run it, as in the reference: "naive" expands the latent into per-head keys and values
+and caches those; "absorb" (default) folds `wkv_b` into the query and the output and caches only
+the normalised latent and the shared rotary key, which is what makes decoding cheap.
+Heads are split over the mesh (wq/wq_b/wkv_b column-parallel, wo row-parallel).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import ModelArgs
+from .layers import Linear, RMSNorm
+from .rope import apply_rotary
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What every layer of one forward step shares: per-row positions and their rotary angles,
+    the cache window read by attention, and the static choices of implementation."""
+
+    positions: jnp.ndarray  # (B, S) int32 absolute positions of the chunk's tokens
+    cos: jnp.ndarray  # (B, S, rope_dim // 2) float32
+    sin: jnp.ndarray
+    kv_len: int  # attention reads cache positions [0, kv_len)
+    attn_impl: str = "absorb"
+    gemm_impl: str = "bf16"
+    scale_fmt: str | None = None
+
+
+def write_cache(cache: jnp.ndarray, layer, values: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
+    """Store values (B, S, ...) at cache[layer, row, positions[row, s]]; positions past the end are dropped."""
+    batch, seq = positions.shape
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
+    layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (batch, seq))
+    return cache.at[layers, rows, positions].set(values.astype(cache.dtype), mode="drop")
+
+
+def read_cache(cache: jnp.ndarray, layer, batch: int, kv_len: int) -> jnp.ndarray:
+    """cache[layer, :batch, :kv_len]."""
+    sizes = (1, batch, kv_len) + cache.shape[3:]
+    window = jax.lax.dynamic_slice(cache, (layer, 0, 0) + (0,) * (cache.ndim - 3), sizes)
+    return window[0]
+
+
+def _einsum(spec: str, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention for one layer (its parameters may carry a leading layer axis)."""
+
+    def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        self.softmax_scale = args.softmax_scale
+        self.rope_interleave = args.rope_interleave
+        qk_dim, heads = args.qk_head_dim, args.n_heads
+        common = dict(stack=stack, dtype=dtype, fp8=args.quantized, rngs=rngs)
+        if args.q_lora_rank == 0:
+            self.wq = Linear(args.dim, heads * qk_dim, parallel="column", **common)
+        else:
+            self.wq_a = Linear(args.dim, args.q_lora_rank, **common)
+            self.q_norm = RMSNorm(args.q_lora_rank, stack=stack)
+            self.wq_b = Linear(args.q_lora_rank, heads * qk_dim, parallel="column", **common)
+        self.wkv_a = Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, **common)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, stack=stack)
+        self.wkv_b = Linear(args.kv_lora_rank, heads * (self.nope_dim + self.v_dim), parallel="column", **common)
+        self.wo = Linear(heads * self.v_dim, args.dim, parallel="row", **common)
+
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict, layer) -> tuple[jnp.ndarray, dict]:
+        """x (B, S, dim) -> (attention output (B, S, dim), summed over ranks; the updated cache)."""
+        batch, seq, _ = x.shape
+        gemm = dict(gemm_impl=ctx.gemm_impl, scale_fmt=ctx.scale_fmt)
+        if hasattr(self, "wq"):
+            q = self.wq(x, **gemm)
+        else:
+            q = self.wq_b(self.q_norm(self.wq_a(x, **gemm)), **gemm)
+        q = q.reshape(batch, seq, -1, self.nope_dim + self.rope_dim)
+        heads = q.shape[2]
+        q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim:]
+        q_pe = apply_rotary(q_pe, ctx.cos, ctx.sin, self.rope_interleave)
+        kv = self.wkv_a(x, **gemm)
+        latent, k_pe = kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank:]
+        k_pe = apply_rotary(k_pe, ctx.cos, ctx.sin, self.rope_interleave)
+        latent = self.kv_norm(latent)
+
+        # key position t is visible to the query at position p iff t <= p
+        key_pos = jnp.arange(ctx.kv_len)
+        visible = key_pos[None, None, None, :] <= ctx.positions[:, :, None, None]  # (B, S, 1, T)
+
+        if ctx.attn_impl == "naive":
+            kv_full = self.wkv_b(latent, **gemm).reshape(batch, seq, heads, self.nope_dim + self.v_dim)
+            k_nope, v = kv_full[..., : self.nope_dim], kv_full[..., self.nope_dim:]
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (batch, seq, heads, self.rope_dim))], -1)
+            cache = dict(k=write_cache(cache["k"], layer, k, ctx.positions),
+                         v=write_cache(cache["v"], layer, v, ctx.positions))
+            keys = read_cache(cache["k"], layer, batch, ctx.kv_len)
+            values = read_cache(cache["v"], layer, batch, ctx.kv_len)
+            q_full = jnp.concatenate([q_nope, q_pe], -1)
+            scores = _einsum("bshd,bthd->bsht", q_full, keys) * self.softmax_scale
+            probs = _softmax(scores, visible).astype(x.dtype)
+            out = _einsum("bsht,bthd->bshd", probs, values).astype(x.dtype)
+        else:
+            wkv_b = self.wkv_b.dequantized(x.dtype).reshape(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+            cache = dict(kv=write_cache(cache["kv"], layer, latent, ctx.positions),
+                         pe=write_cache(cache["pe"], layer, k_pe, ctx.positions))
+            latents = read_cache(cache["kv"], layer, batch, ctx.kv_len)
+            rotary_keys = read_cache(cache["pe"], layer, batch, ctx.kv_len)
+            q_latent = _einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : self.nope_dim]).astype(x.dtype)
+            scores = (_einsum("bshc,btc->bsht", q_latent, latents)
+                      + _einsum("bshr,btr->bsht", q_pe, rotary_keys)) * self.softmax_scale
+            probs = _softmax(scores, visible).astype(x.dtype)
+            out = _einsum("bsht,btc->bshc", probs, latents).astype(x.dtype)
+            out = _einsum("bshc,hdc->bshd", out, wkv_b[:, self.nope_dim:]).astype(x.dtype)
+        return self.wo(out.reshape(batch, seq, -1), reduce=True, **gemm), cache
+
+
+def _softmax(scores: jnp.ndarray, visible: jnp.ndarray) -> jnp.ndarray:
+    scores = jnp.where(visible, scores, -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1)

@@ -1,0 +1,38 @@
+"""The attention cache: one stacked pytree for all layers, allocated on the mesh.
+
+absorb: kv (L, B, T, kv_lora_rank) and pe (L, B, T, rope_dim), the same on every rank.
+naive:  k (L, B, T, H, qk_head_dim) and v (L, B, T, H, v_head_dim), heads split over ranks.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .config import ModelArgs
+from .layers import MODEL_AXIS
+
+
+def cache_shapes(args: ModelArgs, attn_impl: str, batch: int, length: int) -> dict[str, tuple[int, ...]]:
+    layers = args.n_layers
+    if attn_impl == "naive":
+        return {"k": (layers, batch, length, args.n_heads, args.qk_head_dim),
+                "v": (layers, batch, length, args.n_heads, args.v_head_dim)}
+    return {"kv": (layers, batch, length, args.kv_lora_rank), "pe": (layers, batch, length, args.qk_rope_head_dim)}
+
+
+def cache_specs(attn_impl: str) -> dict[str, P]:
+    if attn_impl == "naive":
+        return {"k": P(None, None, None, MODEL_AXIS, None), "v": P(None, None, None, MODEL_AXIS, None)}
+    return {"kv": P(), "pe": P()}
+
+
+def allocate_cache(args: ModelArgs, attn_impl: str, mesh: Mesh, dtype, batch: int | None = None,
+                   length: int | None = None) -> dict[str, jax.Array]:
+    """A zeroed cache for (batch, length), default (max_batch_size, max_seq_len), placed on the mesh."""
+    shapes = cache_shapes(args, attn_impl, batch or args.max_batch_size, length or args.max_seq_len)
+    specs = cache_specs(attn_impl)
+    shardings = {name: NamedSharding(mesh, specs[name]) for name in shapes}
+    make = jax.jit(lambda: {name: jnp.zeros(shape, dtype) for name, shape in shapes.items()},
+                   out_shardings=shardings)
+    return make()

@@ -1,0 +1,113 @@
+"""Building blocks: Linear (high-precision or block-scaled fp8 weight), RMSNorm, vocab-parallel embedding.
+
+Every module is written for the local shard it sees inside `jax.shard_map`: sizes come from its
+arrays, never from the config, and the collectives name the mesh axis `MODEL_AXIS`.
+Parameters carry their partition spec (over the global array) as the Variable metadata `partition`.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+MODEL_AXIS = "mp"  # the mesh axis over which heads, hidden units, experts and vocabulary are split
+FP8_BLOCK = 128
+FP8_DTYPE = jnp.float8_e4m3fn
+
+
+def param(value, partition) -> nnx.Param:
+    """A parameter with its partition spec (a tuple, one entry per axis: None or MODEL_AXIS)."""
+    if len(partition) != value.ndim:
+        raise ValueError(f"partition {partition} does not match a parameter of shape {value.shape}")
+    return nnx.Param(value, partition=tuple(partition))
+
+
+def init_normal(rngs: nnx.Rngs | None, shape, dtype, std: float):
+    """Random normal weights (for models built without a checkpoint); zeros when rngs is None."""
+    if rngs is None:
+        return jnp.zeros(shape, dtype)
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x W^T with W (out, in), optionally stacked (leading layer / expert axes).
+
+    `parallel` is "column" (out split over the mesh), "row" (in split; the caller's psum, or
+    `reduce=True`, completes it) or None (replicated). With `fp8=True` the weight is float8_e4m3fn
+    and `scale` holds one float32 per 128x128 block; `gemm_impl` then picks between dequantising
+    the weight (`"bf16"`) and quantising the activations for the scaled fp8 GEMM (`"fp8"`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, parallel: str | None = None,
+                 stack: tuple[int, ...] = (), stack_partition: tuple = (), dtype=jnp.bfloat16,
+                 fp8: bool = False, rngs: nnx.Rngs | None = None):
+        stack_partition = tuple(stack_partition) or (None,) * len(stack)
+        split = {"column": (MODEL_AXIS, None), "row": (None, MODEL_AXIS), None: (None, None)}[parallel]
+        shape = (*stack, out_features, in_features)
+        std = 1.0 / math.sqrt(in_features)
+        self.parallel = parallel
+        if fp8:
+            self.weight = param(init_normal(rngs, shape, jnp.float32, 1.0).astype(FP8_DTYPE),
+                                stack_partition + split)
+            scale_shape = (*stack, -(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
+            self.scale = param(jnp.full(scale_shape, std, jnp.float32), stack_partition + split)
+        else:
+            self.weight = param(init_normal(rngs, shape, dtype, std), stack_partition + split)
+            self.scale = None
+
+    def dequantized(self, dtype) -> jnp.ndarray:
+        """The weight in `dtype` (block scales applied when the weight is fp8)."""
+        if self.scale is None:
+            return self.weight[...].astype(dtype)
+        from pallas_kernels import weight_dequant
+
+        return weight_dequant(self.weight[...], self.scale[...], block_size=FP8_BLOCK, out_dtype=dtype)
+
+    def __call__(self, x: jnp.ndarray, *, gemm_impl: str = "bf16", scale_fmt: str | None = None,
+                 reduce: bool = False, out_dtype=None) -> jnp.ndarray:
+        if self.scale is not None and gemm_impl == "fp8":
+            from pallas_kernels import act_quant, fp8_gemm
+
+            xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
+            y = fp8_gemm(xq, xs, self.weight[...], self.scale[...], out_dtype=jnp.float32)
+        else:
+            w = self.dequantized(x.dtype)
+            y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if reduce:
+            y = jax.lax.psum(y, MODEL_AXIS)
+        return y.astype(out_dtype or x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight, computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, stack: tuple[int, ...] = ()):
+        self.eps = eps
+        self.weight = param(jnp.ones((*stack, dim), jnp.float32), (None,) * (len(stack) + 1))
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class ParallelEmbedding(nnx.Module):
+    """Vocabulary-parallel embedding: each rank holds a contiguous range of rows.
+
+    Ids outside the local range look up row 0 and are zeroed; the psum over ranks assembles
+    the full embedding.
+    """
+
+    def __init__(self, vocab_size: int, dim: int, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        self.weight = param(init_normal(rngs, (vocab_size, dim), dtype, 1.0), (MODEL_AXIS, None))
+
+    def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
+        local_rows = self.weight.shape[0]
+        start = jax.lax.axis_index(MODEL_AXIS) * local_rows
+        local_ids = tokens - start
+        outside = (local_ids < 0) | (local_ids >= local_rows)
+        rows = jnp.take(self.weight[...], jnp.where(outside, 0, local_ids), axis=0)
+        rows = jnp.where(outside[..., None], jnp.zeros((), rows.dtype), rows)
+        return jax.lax.psum(rows, MODEL_AXIS)

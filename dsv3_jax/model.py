@@ -1,0 +1,81 @@
+"""Block and Transformer: the DeepSeek-V3 forward pass for the shard that one rank holds.
+
+Layers of one kind are stacked (leading layer axis on every parameter) and run by `jax.lax.scan`,
+so compile time does not grow with depth: the dense-MLP layers form one stack, the MoE layers
+another. The cache is one stacked pytree for all layers, threaded through the scans as carry and
+updated in place at the chunk's positions.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .attention import MLA, StepContext
+from .config import ModelArgs
+from .layers import MODEL_AXIS, Linear, ParallelEmbedding, RMSNorm
+from .moe import MLP, MoE
+
+
+class Block(nnx.Module):
+    """h = x + attn(attn_norm(x)); out = h + ffn(ffn_norm(h)), with a dense MLP or an MoE as ffn."""
+
+    def __init__(self, args: ModelArgs, *, moe: bool, stack: tuple[int, ...] = (), dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        self.attn = MLA(args, stack=stack, dtype=dtype, rngs=rngs)
+        if moe:
+            self.ffn = MoE(args, stack=stack, dtype=dtype, rngs=rngs)
+        else:
+            self.ffn = MLP(args.dim, args.inter_dim, stack=stack, dtype=dtype, fp8=args.quantized, rngs=rngs)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, stack=stack)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, stack=stack)
+
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict, layer) -> tuple[jnp.ndarray, dict]:
+        attn_out, cache = self.attn(self.attn_norm(x), ctx, cache, layer)
+        h = x + attn_out
+        if isinstance(self.ffn, MoE):
+            ffn_out = self.ffn(self.ffn_norm(h), ctx.gemm_impl, ctx.scale_fmt)
+        else:
+            ffn_out = self.ffn(self.ffn_norm(h), ctx.gemm_impl, ctx.scale_fmt, reduce=True)
+        return h + ffn_out, cache
+
+
+def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict, first_layer: int):
+    """Apply the stacked layers in order with `jax.lax.scan`; cache rows are indexed by global layer."""
+    graphdef, state = nnx.split(stack)
+    depth = jax.tree.leaves(state)[0].shape[0]
+
+    def one_layer(carry, xs):
+        h, cache = carry
+        layer_state, index = xs
+        h, cache = nnx.merge(graphdef, layer_state)(h, ctx, cache, first_layer + index)
+        return (h, cache), None
+
+    (x, cache), _ = jax.lax.scan(one_layer, (x, cache), (state, jnp.arange(depth)))
+    return x, cache
+
+
+class Transformer(nnx.Module):
+    """Embedding, the dense and MoE layer stacks, final norm and the vocabulary-parallel head."""
+
+    def __init__(self, args: ModelArgs, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        self.embed = ParallelEmbedding(args.vocab_size, args.dim, dtype=dtype, rngs=rngs)
+        self.dense_layers = (Block(args, moe=False, stack=(args.n_dense_layers,), dtype=dtype, rngs=rngs)
+                             if args.n_dense_layers else None)
+        self.moe_layers = (Block(args, moe=True, stack=(args.n_moe_layers,), dtype=dtype, rngs=rngs)
+                           if args.n_moe_layers else None)
+        self.n_dense_layers = args.n_dense_layers
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.head = Linear(args.dim, args.vocab_size, parallel="column", dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens: jnp.ndarray, ctx: StepContext, cache: dict,
+                 last_index: jnp.ndarray) -> tuple[jnp.ndarray, dict]:
+        """tokens (B, S) -> float32 logits (B, vocab) at each row's `last_index`, and the updated cache."""
+        h = self.embed(tokens)
+        if self.dense_layers is not None:
+            h, cache = run_stack(self.dense_layers, h, ctx, cache, 0)
+        if self.moe_layers is not None:
+            h, cache = run_stack(self.moe_layers, h, ctx, cache, self.n_dense_layers)
+        h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]
+        logits = self.head(self.norm(h), out_dtype=jnp.float32)
+        return jax.lax.all_gather(logits, MODEL_AXIS, axis=1, tiled=True), cache

@@ -1,0 +1,153 @@
+"""Feed-forward layers: the dense MLP, the routing Gate, and the MoE with routed and shared experts.
+
+Routed experts never loop in Python: token-expert assignments are sorted by expert and pushed
+through one grouped GEMM (`grouped_matmul`), the single place a Pallas kernel can replace.
+Experts are split over the mesh in contiguous ranges; each rank computes its experts' share and
+one psum (together with the tensor-parallel shared experts) assembles the output.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import ModelArgs
+from .layers import FP8_BLOCK, MODEL_AXIS, Linear, init_normal, param
+
+
+class MLP(nnx.Module):
+    """w2(silu(w1 x) * w3 x): column-parallel w1/w3, row-parallel w2 (summed over ranks when `reduce`)."""
+
+    def __init__(self, dim: int, inter_dim: int, *, stack: tuple[int, ...] = (), dtype=jnp.bfloat16,
+                 fp8: bool = False, rngs: nnx.Rngs | None = None):
+        common = dict(stack=stack, dtype=dtype, fp8=fp8, rngs=rngs)
+        self.w1 = Linear(dim, inter_dim, parallel="column", **common)
+        self.w2 = Linear(inter_dim, dim, parallel="row", **common)
+        self.w3 = Linear(dim, inter_dim, parallel="column", **common)
+
+    def __call__(self, x: jnp.ndarray, gemm_impl: str = "bf16", scale_fmt: str | None = None,
+                 reduce: bool = False) -> jnp.ndarray:
+        gemm = dict(gemm_impl=gemm_impl, scale_fmt=scale_fmt)
+        hidden = jax.nn.silu(self.w1(x, **gemm).astype(jnp.float32)).astype(x.dtype) * self.w3(x, **gemm)
+        return self.w2(hidden, reduce=reduce, **gemm)
+
+
+class Gate(nnx.Module):
+    """Top-k expert selection (replicated on every rank), in float32.
+
+    scores = softmax or sigmoid of x Wg^T; a score-correction bias, when present, shifts the
+    scores used to SELECT experts but not the weights; with expert groups only the best
+    `n_limited_groups` groups compete (group score: max, or the sum of the top two with a bias).
+    """
+
+    def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        self.topk = args.n_activated_experts
+        self.n_groups, self.topk_groups = args.n_expert_groups, args.n_limited_groups
+        self.score_func, self.route_scale = args.score_func, args.route_scale
+        self.normalize = args.normalize_topk
+        lead = (None,) * len(stack)
+        self.weight = param(init_normal(rngs, (*stack, args.n_routed_experts, args.dim), dtype, args.dim**-0.5),
+                            lead + (None, None))
+        self.bias = (param(jnp.zeros((*stack, args.n_routed_experts), jnp.float32), lead + (None,))
+                     if args.gate_bias else None)
+
+    def __call__(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """x (N, dim) -> (weights (N, k) float32, expert indices (N, k) int32)."""
+        logits = jnp.dot(x.astype(jnp.float32), self.weight[...].astype(jnp.float32).T)
+        scores = jax.nn.softmax(logits, axis=-1) if self.score_func == "softmax" else jax.nn.sigmoid(logits)
+        original = scores
+        if self.bias is not None:
+            scores = scores + self.bias[...]
+        if self.n_groups > 1:
+            grouped = scores.reshape(scores.shape[0], self.n_groups, -1)
+            if self.bias is None:
+                group_scores = grouped.max(axis=-1)
+            else:
+                group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
+            _, keep = jax.lax.top_k(group_scores, self.topk_groups)
+            kept = jnp.zeros(group_scores.shape, bool).at[jnp.arange(scores.shape[0])[:, None], keep].set(True)
+            scores = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(scores.shape)
+        _, indices = jax.lax.top_k(scores, self.topk)
+        weights = jnp.take_along_axis(original, indices, axis=-1)
+        if self.normalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return weights * self.route_scale, indices.astype(jnp.int32)
+
+
+def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | None, group_sizes: jnp.ndarray,
+                   *, gemm_impl: str = "bf16", scale_fmt: str | None = None) -> jnp.ndarray:
+    """Rows of x (M, in), sorted by expert, times their expert's W^T (weight (E, out, in)).
+
+    group_sizes (E,) counts the rows of each expert; rows past their sum come out as zeros.
+    This is the routed-expert GEMM; `jax.lax.ragged_dot_general` is its first body.
+    """
+    if scale is not None:
+        from pallas_kernels import weight_dequant
+
+        experts, out_dim, in_dim = weight.shape
+        flat_w = weight.reshape(experts * out_dim, in_dim)
+        flat_s = scale.reshape(experts * scale.shape[1], scale.shape[2])
+        if out_dim % FP8_BLOCK:
+            raise ValueError(f"fp8 expert weights need out features divisible by {FP8_BLOCK}, got {out_dim}")
+        weight = weight_dequant(flat_w, flat_s, block_size=FP8_BLOCK, out_dtype=x.dtype).reshape(weight.shape)
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(x, weight.astype(x.dtype), group_sizes, dims,
+                                      preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+class Experts(nnx.Module):
+    """The routed experts of one MoE layer, stacked (E, out, in) and split over ranks by expert."""
+
+    def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        common = dict(stack=(*stack, args.n_routed_experts), stack_partition=(None,) * len(stack) + (MODEL_AXIS,),
+                      dtype=dtype, fp8=args.quantized, rngs=rngs)
+        self.w1 = Linear(args.dim, args.moe_inter_dim, **common)
+        self.w2 = Linear(args.moe_inter_dim, args.dim, **common)
+        self.w3 = Linear(args.dim, args.moe_inter_dim, **common)
+
+    def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, indices: jnp.ndarray, gemm_impl: str = "bf16",
+                 scale_fmt: str | None = None) -> jnp.ndarray:
+        """This rank's share of sum_k weight_k * expert_k(x): x (N, dim), weights/indices (N, k)."""
+        tokens, topk = indices.shape
+        local_experts = self.w1.weight.shape[0]
+        first = jax.lax.axis_index(MODEL_AXIS) * local_experts
+        local_ids = indices.reshape(-1) - first
+        mine = (local_ids >= 0) & (local_ids < local_experts)
+        sort_key = jnp.where(mine, local_ids, local_experts)  # foreign assignments sort to the end
+        order = jnp.argsort(sort_key, stable=True)
+        token_of = order // topk
+        group_sizes = jnp.bincount(jnp.where(mine, local_ids, local_experts), length=local_experts + 1)[:-1]
+        rows = jnp.take(x, token_of, axis=0)
+
+        def gmm(linear: Linear, inputs):
+            scale = None if linear.scale is None else linear.scale[...]
+            return grouped_matmul(inputs, linear.weight[...], scale, group_sizes.astype(jnp.int32),
+                                  gemm_impl=gemm_impl, scale_fmt=scale_fmt)
+
+        hidden = jax.nn.silu(gmm(self.w1, rows).astype(jnp.float32)).astype(x.dtype) * gmm(self.w3, rows)
+        out = gmm(self.w2, hidden).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+        out = jnp.where(mine[order][:, None], out, 0.0)  # rows of other ranks' experts were not computed
+        return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
+
+
+class MoE(nnx.Module):
+    """Gate + routed experts + shared experts; one psum over ranks assembles the output."""
+
+    def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        self.gate = Gate(args, stack=stack, dtype=dtype, rngs=rngs)
+        self.experts = Experts(args, stack=stack, dtype=dtype, rngs=rngs)
+        self.shared_experts = MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, stack=stack, dtype=dtype,
+                                  fp8=args.quantized, rngs=rngs) if args.n_shared_experts else None
+
+    def __call__(self, x: jnp.ndarray, gemm_impl: str = "bf16", scale_fmt: str | None = None) -> jnp.ndarray:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, indices = self.gate(flat)
+        y = self.experts(flat, weights, indices, gemm_impl, scale_fmt)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat, gemm_impl, scale_fmt).astype(jnp.float32)
+        return jax.lax.psum(y, MODEL_AXIS).astype(x.dtype).reshape(shape)
