@@ -102,6 +102,18 @@ class Model:
                                        kv_len=cache_window(end, self.args.max_seq_len))
         return logits
 
+    def generate(self, prompt_tokens: list[list[int]], max_new_tokens: int, eos_id: int, temperature: float = 1.0,
+                 seed: int = 0, *, top_k: int = 0, top_p: float = 1.0, on_tokens=None) -> list[list[int]]:
+        """Complete each prompt (the reference's `generate`, rows advancing on their own positions).
+
+        Completions stop before the first `eos_id` and after max_new_tokens; temperature 0 is greedy.
+        See `dsv3_jax.generate.generate` for the options.
+        """
+        from .generate import generate
+
+        return generate(self, prompt_tokens, max_new_tokens, eos_id, temperature, seed, top_k=top_k, top_p=top_p,
+                        on_tokens=on_tokens)
+
 
 def _resolve_options(dtype, attn_impl, gemm_impl):
     if dtype not in DTYPES:

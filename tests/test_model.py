@@ -1,0 +1,139 @@
+"""The forward pass against Hugging Face transformers (float32, random weights), and its own invariants:
+naive == absorb, 1 device == 4 devices, cached decoding == a full forward, chunked == one-shot prefill."""
+import numpy as np
+import pytest
+
+import dsv3_jax
+from hf_models import hf_model, hf_step_logits, save
+
+PREFILL, STEPS, TOL = 7, 8, 1e-4
+
+FAMILIES = {
+    # sigmoid, groups + correction bias, q_lora > 0, YaRN on
+    "v3": ("v3", {}),
+    # no groups, rotate-half rotary layout, YaRN with the attention factor != 1
+    "v3_plain": ("v3", dict(n_group=1, topk_group=1, rope_interleave=False, q_lora_rank=16,
+                           rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                         "mscale": 1.0, "mscale_all_dim": 0.5})),
+    # softmax, q_lora_rank None, no groups, norm_topk_prob False
+    "v2": ("v2", {}),
+    # softmax group-limited routing, YaRN with V2-Lite's mscale
+    "v2_groups_yarn": ("v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                  routed_scaling_factor=1.5, rope_scaling={
+                                      "type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (HF model, saved directory)."""
+    out = {}
+    for name, (family, overrides) in FAMILIES.items():
+        model = hf_model(family, seed=len(out), **overrides)
+        out[name] = (model, save(model, tmp_path_factory.mktemp(name)))
+    return out
+
+
+def tokens_for(seed: int, batch: int = 2, length: int = PREFILL + STEPS) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 512, size=(batch, length))
+
+
+def run_steps(model, tokens: np.ndarray, prefill: int, steps: int) -> list[np.ndarray]:
+    out = [np.asarray(model.forward(tokens[:, :prefill], 0))]
+    for i in range(steps):
+        out.append(np.asarray(model.forward(tokens[:, prefill + i: prefill + i + 1], prefill + i)))
+    return out
+
+
+def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_prefill_and_decode_match_hf(checkpoints, name):
+    hf, directory = checkpoints[name]
+    tokens = tokens_for(1)
+    expected = hf_step_logits(hf, tokens, PREFILL, STEPS)
+    model = dsv3_jax.load(directory, dtype="float32", max_batch_size=4, max_seq_len=64)
+    got = run_steps(model, tokens, PREFILL, STEPS)
+    diff = max_diff(got, expected)
+    print(f"{name}: max |logit diff| vs HF = {diff:.2e} (logit scale {np.abs(expected[0]).max():.2f})")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("name", ["v3", "v2"])
+def test_naive_absorb_and_four_devices_agree_with_hf(checkpoints, name):
+    hf, directory = checkpoints[name]
+    tokens = tokens_for(2)
+    expected = hf_step_logits(hf, tokens, PREFILL, STEPS)
+    for attn_impl, devices in (("naive", 1), ("absorb", 4), ("naive", 4)):
+        model = dsv3_jax.load(directory, dtype="float32", attn_impl=attn_impl, num_devices=devices,
+                              max_batch_size=2, max_seq_len=32)
+        assert model.mesh.devices.size == devices
+        diff = max_diff(run_steps(model, tokens, PREFILL, STEPS), expected)
+        print(f"{name} {attn_impl} on {devices} devices: max |logit diff| vs HF = {diff:.2e}")
+        assert diff <= TOL
+
+
+def test_four_devices_really_split(checkpoints):
+    _, directory = checkpoints["v3"]
+    model = dsv3_jax.load(directory, dtype="float32", attn_impl="naive", num_devices=4, max_batch_size=2,
+                          max_seq_len=32)
+    args, state = model.args, model.state
+    shard = lambda array: array.sharding.shard_shape(array.shape)  # noqa: E731
+    assert shard(state["embed"]["weight"][...]) == (args.vocab_size // 4, args.dim)
+    assert shard(state["head"]["weight"][...]) == (args.vocab_size // 4, args.dim)
+    experts = state["moe_layers"]["ffn"]["experts"]["w1"]["weight"][...]
+    assert shard(experts) == (args.n_moe_layers, args.n_routed_experts // 4, args.moe_inter_dim, args.dim)
+    wq_b = state["moe_layers"]["attn"]["wq_b"]["weight"][...]
+    assert shard(wq_b)[1] == args.n_heads * args.qk_head_dim // 4
+    wo = state["dense_layers"]["attn"]["wo"]["weight"][...]
+    assert shard(wo)[2] == args.n_heads * args.v_head_dim // 4
+    assert shard(model.cache["k"])[3] == args.n_heads // 4
+    assert len({d.id for d in experts.sharding.device_set}) == 4
+
+
+@pytest.mark.parametrize("attn_impl", ["absorb", "naive"])
+def test_cached_decoding_equals_full_forward(checkpoints, attn_impl):
+    _, directory = checkpoints["v3"]
+    tokens = tokens_for(3, batch=3, length=14)
+    model = dsv3_jax.load(directory, dtype="float32", attn_impl=attn_impl, max_batch_size=3, max_seq_len=32)
+    decoded = run_steps(model, tokens, 4, 10)
+    full = [np.asarray(model.forward(tokens[:, : 4 + i], 0)) for i in range(11)]
+    assert max_diff(decoded, full) <= 2e-5
+
+
+def test_chunked_prefill_from_nonzero_start(checkpoints):
+    _, directory = checkpoints["v2_groups_yarn"]
+    tokens = tokens_for(4, batch=2, length=20)
+    model = dsv3_jax.load(directory, dtype="float32", max_batch_size=2, max_seq_len=64)
+    one_shot = np.asarray(model.forward(tokens, 0))
+    model.forward(tokens[:, :6], 0)
+    model.forward(tokens[:, 6:13], 6)
+    chunked = np.asarray(model.forward(tokens[:, 13:], 13))
+    assert np.abs(one_shot - chunked).max() <= 2e-5
+
+
+def test_per_row_start_positions(checkpoints):
+    """Rows at different positions in one call equal each row run on its own."""
+    _, directory = checkpoints["v3"]
+    tokens = tokens_for(5, batch=2, length=16)
+    model = dsv3_jax.load(directory, dtype="float32", max_batch_size=2, max_seq_len=32)
+    alone = []
+    for row, split in ((0, 9), (1, 4)):
+        model.forward(tokens[row: row + 1, :split], 0)
+        alone.append(np.asarray(model.forward(tokens[row: row + 1, split: split + 3], split))[0])
+    model.forward(tokens[:, :9], 0)  # row 1 then continues from 4, overwriting its positions 4..6
+    together = np.asarray(model.forward(np.stack([tokens[0, 9:12], tokens[1, 4:7]]), start_pos=[9, 4]))
+    assert np.abs(together - np.stack(alone)).max() <= 2e-5
+
+
+def test_bfloat16_close_to_float32(checkpoints):
+    _, directory = checkpoints["v3"]
+    tokens = tokens_for(6)
+    f32 = dsv3_jax.load(directory, dtype="float32", max_batch_size=2, max_seq_len=32)
+    bf16 = dsv3_jax.load(directory, dtype="bfloat16", max_batch_size=2, max_seq_len=32)
+    a, b = np.asarray(f32.forward(tokens, 0)), np.asarray(bf16.forward(tokens, 0))
+    assert b.dtype == np.float32
+    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.05
