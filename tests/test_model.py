@@ -100,8 +100,9 @@ def test_cached_decoding_equals_full_forward(checkpoints, attn_impl):
     tokens = tokens_for(3, batch=3, length=14)
     model = dsv3_jax.load(directory, dtype="float32", attn_impl=attn_impl, max_batch_size=3, max_seq_len=32)
     decoded = run_steps(model, tokens, 4, 10)
-    full = [np.asarray(model.forward(tokens[:, : 4 + i], 0)) for i in range(11)]
-    assert max_diff(decoded, full) <= 2e-5
+    checked = (1, 5, 10)  # a full forward compiles per length: a sample of the steps keeps the test quick
+    full = [np.asarray(model.forward(tokens[:, : 4 + i], 0)) for i in checked]
+    assert max_diff([decoded[i] for i in checked], full) <= 2e-5
 
 
 def test_chunked_prefill_from_nonzero_start(checkpoints):
