@@ -132,8 +132,10 @@ def test_kernels_under_jit(rng):
     assert rel_l2(c.astype(jnp.float32), numpy_gemm(y, s, w, ws)) < 5e-3
 
 
-def test_kernels_inside_shard_map(rng):
-    """Column-parallel use, as in the model: rows of x and B's N split over 4 devices."""
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_kernels_inside_shard_map(rng, check_vma):
+    """Column-parallel use, as in the model: B's N split over 4 devices. (With check_vma, CPU
+    interpret mode computes the jnp twin for device-varying operands: see _common.)"""
     devs = jax.devices()
     if len(devs) < 4:
         pytest.skip("needs 4 (forced host) devices")
@@ -146,7 +148,7 @@ def test_kernels_inside_shard_map(rng):
         return fp8_gemm(q, s, b, b_s, out_dtype=jnp.float32), q, s
 
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("mp"), P("mp")),
-                              out_specs=(P(None, "mp"), P(), P())))
+                              out_specs=(P(None, "mp"), P(), P()), check_vma=check_vma))
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     c, q, s = f(put(x, P()), put(b, P("mp")), put(b_s, P("mp")))
     yr, sr = act_quant_ref(x)

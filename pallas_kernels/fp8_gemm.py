@@ -1,0 +1,212 @@
+"""Block-scaled FP8 GEMM (DeepSeek-V3's ``fp8_gemm``): C = A_q B_q^T with per-block scales.
+
+``C[m, n] = sum_kb (A_q[m, kb] . B_q[n, kb]) * a_s[m, kb] * b_s[n // 128, kb]``: A is an
+activation quantised per row per 128 elements of K, B a weight quantised per 128x128 tile. Each
+K-block's partial product comes out of the tensor cores in float32 and is scaled before it is
+added to the float32 accumulator (the scales change every 128 elements of K, so they cannot be
+pulled out of the sum).
+
+Two regimes, one kernel:
+  * large M (prefill): compute-bound; 128x128 tiles, 8 warps, a software-pipelined K loop.
+  * small M (decode, M <= 64): reading B dominates; narrow N tiles plus split-K so that every SM
+    streams a slice of the weight, then a small XLA sum over the splits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._common import (BLOCK, FP8, cdiv, check_dtype, check_last_dim, check_out_dtype, fail,
+                      interpret_in_shard_map, match_vma, num_sms, result, rows, use_interpret,
+                      vma_union)
+from .reference import fp8_gemm_ref
+
+_FN = "fp8_gemm"
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tiling of one fp8_gemm launch.
+
+    bm, bn: output tile (powers of two, >= 16, bn <= 128 so that one b_s value covers a tile's
+      columns). split: number of K ranges computed by separate programs and summed afterwards
+      (must divide K / 128). num_warps, num_stages: Triton's warps per program and pipeline depth.
+      mma: operand type fed to the tensor cores. "fp8" multiplies the e4m3 tiles directly; Pallas
+      leaves Triton's max_num_imprecise_acc at 0 for them, which rules out Hopper's wgmma, so they
+      run on mma.sync. "f16" converts the tiles to float16 first (exact: e4m3 is a subset of f16)
+      and is eligible for wgmma at the 16-bit rate.
+    """
+    bm: int = 128
+    bn: int = 128
+    split: int = 1
+    num_warps: int = 8
+    num_stages: int = 3
+    mma: str = "fp8"
+
+    def check(self, nkb: int) -> None:
+        def pow2(v):
+            return v >= 16 and v & (v - 1) == 0
+        if not (pow2(self.bm) and pow2(self.bn) and self.bn <= BLOCK):
+            raise ValueError(f"{_FN}: {self} needs bm, bn powers of two >= 16, bn <= 128")
+        if self.split < 1 or nkb % self.split:
+            raise ValueError(f"{_FN}: {self} needs split to divide K/128 = {nkb}")
+        if self.mma not in ("fp8", "f16"):
+            raise ValueError(f"{_FN}: {self} needs mma 'fp8' or 'f16'")
+
+
+def default_config(m: int, n: int, k: int, sms: int | None = None) -> GemmConfig:
+    """Heuristic tiling for an (m, k) x (n, k)^T product on a GPU with `sms` multiprocessors."""
+    if m <= 16:
+        cfg = GemmConfig(bm=16, bn=64, num_warps=4, num_stages=4)
+    elif m <= 64:
+        cfg = GemmConfig(bm=64 if m > 32 else 32, bn=64, num_warps=4, num_stages=4)
+    elif m <= 512:
+        cfg = GemmConfig(bm=64, bn=128, num_warps=4, num_stages=4, mma="f16")
+    else:
+        return GemmConfig(bm=128, bn=128, num_warps=8, num_stages=3, mma="f16")
+    return dataclasses.replace(cfg, split=auto_split(m, n, k, cfg.bm, cfg.bn, sms))
+
+
+def auto_split(m: int, n: int, k: int, bm: int, bn: int, sms: int | None = None) -> int:
+    """Smallest split of K (a divisor of K/128 leaving >= 4 K-blocks per program) that gives
+    about two programs per SM, so that small-M products stream the weight with the whole GPU.
+
+    The float32 partial sums cost 8 * split * M * N bytes (written, then read by the reduction)
+    against the weight's N * K: split stays <= K / (32 M) to keep that under a quarter.
+    """
+    sms = sms or num_sms()
+    nkb = k // BLOCK
+    tiles = cdiv(m, bm) * cdiv(n, bn)
+    split = 1
+    for d in range(1, min(nkb, max(1, k // (32 * m))) + 1):
+        if nkb % d == 0 and nkb // d >= 4:
+            split = d
+            if tiles * d >= 2 * sms:
+                break
+    return split
+
+
+def fp8_gemm(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.bfloat16):
+    """Block-scaled FP8 matrix product ``C = (A * a_s) @ (B * b_s)^T``.
+
+    Args:
+      a: float8_e4m3fn (..., K), K a multiple of 128; leading dims are flattened into M.
+      a_s: float32 (..., K // 128): one scale per row per 128 elements (from ``act_quant``).
+      b: float8_e4m3fn (N, K), the weight in (out, in) layout; N need not be a multiple of 128.
+      b_s: float32 (ceil(N / 128), K // 128): one scale per 128x128 tile of b.
+      out_dtype: bfloat16 (default), float16 or float32; accumulation is float32.
+
+    Returns:
+      C with shape (..., N) and dtype out_dtype.
+    """
+    out_dtype = check_out_dtype(_FN, out_dtype)
+    m, n, k = _check(a, a_s, b, b_s)
+    if m == 0 or n == 0:
+        return jnp.zeros((*a.shape[:-1], n), out_dtype)
+    interpret = use_interpret()
+    if interpret_in_shard_map(interpret, a, a_s, b, b_s):
+        return fp8_gemm_ref(a, a_s, b, b_s, out_dtype=out_dtype)
+    cfg = default_config(m, n, k)
+    c = _fp8_gemm_2d(a.reshape(m, k), a_s.reshape(m, k // BLOCK), b, b_s, out_dtype, cfg, interpret)
+    return c.reshape(*a.shape[:-1], n)
+
+
+def fp8_gemm_with_config(a, a_s, b, b_s, config: GemmConfig, out_dtype=jnp.bfloat16,
+                         interpret: bool | None = None):
+    """fp8_gemm with an explicit tiling: for tuning, benchmarks and tests of every code path."""
+    out_dtype = check_out_dtype(_FN, out_dtype)
+    m, n, k = _check(a, a_s, b, b_s)
+    interpret = use_interpret() if interpret is None else interpret
+    c = _fp8_gemm_2d(a.reshape(m, k), a_s.reshape(m, k // BLOCK), b, b_s, out_dtype, config, interpret)
+    return c.reshape(*a.shape[:-1], n)
+
+
+def _check(a, a_s, b, b_s) -> tuple[int, int, int]:
+    for name, x in (("a", a), ("b", b)):
+        check_dtype(_FN, name, x, (FP8,), "float8_e4m3fn")
+    for name, x in (("a_s", a_s), ("b_s", b_s)):
+        check_dtype(_FN, name, x, (jnp.float32,), "float32")
+    k = check_last_dim(_FN, "a", a)
+    if b.ndim != 2 or b.shape[1] != k:
+        fail(_FN, f"b has shape {tuple(b.shape)}, expected (N, {k}) = (N, K) with K from a")
+    n = b.shape[0]
+    want = (*a.shape[:-1], k // BLOCK)
+    if tuple(a_s.shape) != want:
+        fail(_FN, f"a_s has shape {tuple(a_s.shape)}, expected {want} = (..., K/128)")
+    want = (cdiv(n, BLOCK), k // BLOCK)
+    if tuple(b_s.shape) != want:
+        fail(_FN, f"b_s has shape {tuple(b_s.shape)}, expected {want} = (ceil(N/128), K/128)")
+    return rows(a.shape), n, k
+
+
+def _fp8_gemm_2d(a, a_s, b, b_s, out_dtype, cfg: GemmConfig, interpret: bool):
+    (m, k), n = a.shape, b.shape[0]
+    nkb = k // BLOCK
+    cfg.check(nkb)
+    bm, bn, split = cfg.bm, cfg.bn, cfg.split
+    kbp = nkb // split  # K-blocks per program
+    vma = vma_union(a, a_s, b, b_s)  # inside shard_map: the axes the operands vary along
+    kernel = functools.partial(_kernel, m=m, n=n, mma_dtype=jnp.float16 if cfg.mma == "f16" else None)
+    a, a_s, b, b_s = match_vma(vma, a, a_s, b, b_s)
+    if split == 1:
+        out_shape = result((m, n), out_dtype, vma)
+        out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
+    else:  # float32 partial sums, reduced below
+        out_shape = result((split, m, n), jnp.float32, vma)
+        out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
+    # Program (i, j, s) sees exactly its operands: rows i of A, rows j of B, K-range s. All
+    # indexing inside the kernel is then relative to its blocks.
+    c = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        # M tiles vary fastest, so the programs running together share B tiles in L2.
+        grid=(cdiv(m, bm), cdiv(n, bn), split),
+        in_specs=[
+            pl.BlockSpec((bm, kbp * BLOCK), lambda i, j, s: (i, s)),
+            pl.BlockSpec((bm, kbp), lambda i, j, s: (i, s)),
+            pl.BlockSpec((bn, kbp * BLOCK), lambda i, j, s: (j, s)),
+            # 128 // bn tiles share one scale row; for 1-row blocks block index = row index
+            pl.BlockSpec((1, kbp), lambda i, j, s: ((j * bn) // BLOCK, s)),
+        ],
+        out_specs=out_spec,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="fp8_gemm",
+    )(a, a_s, b, b_s)
+    if split > 1:
+        c = c.sum(axis=0).astype(out_dtype)
+    return c
+
+
+def _kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m, n, mma_dtype):
+    bm, bn, kbp = a_ref.shape[0], b_ref.shape[0], as_ref.shape[1]
+    i, j = pl.program_id(0), pl.program_id(1)
+    # Rows of A / B past the edge are not loaded; the garbage they leave in registers only
+    # reaches output rows / columns that are masked at the store.
+    row_ok = (i * bm + jnp.arange(bm)) < m if m % bm else None
+    col_ok = (j * bn + jnp.arange(bn)) < n if n % bn else None
+    row_mask = None if row_ok is None else row_ok[:, None]
+    col_mask = None if col_ok is None else col_ok[:, None]
+
+    def body(t, acc):
+        ks = pl.ds(pl.multiple_of(t * BLOCK, BLOCK), BLOCK)
+        a = plgpu.load(a_ref.at[:, ks], mask=row_mask)
+        b = plgpu.load(b_ref.at[:, ks], mask=col_mask)
+        sa = plgpu.load(as_ref.at[:, pl.ds(t, 1)], mask=row_mask)  # (bm, 1)
+        sb = bs_ref[:, pl.ds(t, 1)]  # (1, 1): one weight scale for the whole tile
+        if mma_dtype is not None:
+            a, b = a.astype(mma_dtype), b.astype(mma_dtype)
+        # (bm, bn) float32 from the tensor cores; contracting b's dim 1 = A . B^T
+        part = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc + part * (sa * sb)
+
+    acc = jax.lax.fori_loop(0, kbp, body, jnp.zeros((bm, bn), jnp.float32))
+    mask = row_mask
+    if col_ok is not None:
+        mask = col_ok[None, :] if mask is None else mask & col_ok[None, :]
+    plgpu.store(o_ref, acc.astype(o_ref.dtype), mask=mask)

@@ -1,0 +1,49 @@
+"""Plain-jnp twins of the Pallas kernels: the tests' oracle and a readable statement of the math.
+
+Each twin computes exactly what its kernel is specified to compute, with the same float32
+operations where the result must match bit for bit (act_quant, weight_dequant): divisions are
+IEEE (see _common.ieee_div; XLA would otherwise multiply by a reciprocal). Prefer running them
+on a CPU when comparing bits: XLA's GPU division instruction is not guaranteed to be IEEE.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ._common import AMAX_FLOOR, BLOCK, FP8, FP8_MAX, ieee_div
+
+
+def act_quant_ref(x: jax.Array, block_size: int = BLOCK, scale_fmt: str | None = None):
+    """(y, s) with s = max(amax, 1e-4) / 448 per 128 elements (ue8m0: next power of two)."""
+    *lead, k = x.shape
+    g = k // block_size
+    xb = x.astype(jnp.float32).reshape(*lead, g, block_size)
+    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), jnp.float32(AMAX_FLOOR))
+    s = ieee_div(amax, FP8_MAX)
+    if scale_fmt == "ue8m0":
+        # 2**ceil(log2(s)) exactly: frexp gives s = mant * 2**e with mant in [0.5, 1); s is itself
+        # a power of two iff mant == 0.5, and then log2(s) = e - 1.
+        mant, e = jnp.frexp(s)
+        s = jnp.ldexp(jnp.ones_like(s), jnp.where(mant == 0.5, e - 1, e))
+    y = ieee_div(xb, s[..., None]).astype(FP8).reshape(x.shape)
+    return y, s
+
+
+def weight_dequant_ref(w: jax.Array, s: jax.Array, block_size: int = BLOCK, out_dtype=jnp.bfloat16):
+    """w * s[i // 128, j // 128] in float32, cast to out_dtype."""
+    m, n = w.shape
+    s_full = jnp.repeat(jnp.repeat(s, block_size, axis=0), block_size, axis=1)[:m, :n]
+    return (w.astype(jnp.float32) * s_full).astype(out_dtype)
+
+
+def fp8_gemm_ref(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.bfloat16):
+    """sum over K-blocks of (A_q[:, kb] @ B_q[:, kb]^T) * a_s[:, kb] * b_s[n // 128, kb], float32."""
+    *lead, k = a.shape
+    n, g = b.shape[0], k // BLOCK
+    a3 = a.reshape(-1, g, BLOCK).astype(jnp.float32)
+    b3 = b.reshape(n, g, BLOCK).astype(jnp.float32)
+    part = jnp.einsum("mgk,ngk->gmn", a3, b3, precision=jax.lax.Precision.HIGHEST)
+    sa = a_s.reshape(-1, g).T[:, :, None]  # (g, m, 1)
+    sb = jnp.repeat(b_s, BLOCK, axis=0)[:n].T[:, None, :]  # (g, 1, n)
+    c = (part * sa * sb).sum(axis=0)
+    return c.astype(out_dtype).reshape(*lead, n)

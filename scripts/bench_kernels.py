@@ -1,0 +1,404 @@
+"""Benchmark pallas_kernels on one GPU beside XLA, with the roofline printed next to every figure.
+
+    PYTHONPATH=. python3 scripts/bench_kernels.py [--out-dir DIR] [--sweep] [--budget-s S]
+
+Writes kernels-<gpu>.json and kernels-<gpu>.md into --out-dir (default: $OUT if set, else
+benchmarks/). Measures in the same run: copy bandwidth, XLA's bf16 and fp8 matmul peaks, then
+  * act_quant on 4096x7168 bf16 (GB/s), weight_dequant on 18432x7168 (GB/s);
+  * fp8_gemm for M in {1, 64, 4096} on DeepSeek-V3's (N, K) weight shapes, beside XLA's bf16
+    matmul and XLA's raw fp8 dot (lax.dot_general on e4m3 operands) of the same shape.
+Timing: one jitted program applies the op to R distinct input sets (R chosen so the sets exceed
+the L2 several times and one call lasts >= ~0.3 ms, hiding dispatch), called repeatedly after a
+warm-up; the median over repeats of wall time / (calls * R) is reported. --sweep also times
+alternative tilings (GemmConfig, act_quant / weight_dequant tiles) and reports the best.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels  # noqa: E402,F401
+from pallas_kernels import GemmConfig, act_quant, fp8_gemm, weight_dequant  # noqa: E402
+
+AQ = sys.modules["pallas_kernels.act_quant"]
+WD = sys.modules["pallas_kernels.weight_dequant"]
+GM = sys.modules["pallas_kernels.fp8_gemm"]
+FP8 = jnp.float8_e4m3fn
+HBM = 4.3e12  # measured copy bandwidth on an H200 here (bytes/s), overridden by this run's
+PEAK_BF16, PEAK_FP8 = 785e12, 1400e12  # XLA on an H200 here, overridden by this run's
+L2 = 60e6
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    gemm_nk: tuple = ((24576, 1536), (7168, 16384), (18432, 7168), (7168, 18432), (2048, 7168), (7168, 2048))
+    gemm_m: tuple = (4096, 1, 64)  # the compute-bound target first: the sweep budget may run out
+    act: tuple = (4096, 7168)
+    dequant: tuple = (18432, 7168)
+    peak_n: int = 8192
+    copy_elems: int = 2**29
+    max_sets: int = 64
+
+
+SMOKE = Sizes(gemm_nk=((256, 256), (130, 384)), gemm_m=(1, 20), act=(64, 256), dequant=(200, 256),
+              peak_n=256, copy_elems=2**16, max_sets=2)  # a CPU dry run of every code path, in interpret mode
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------- timing
+def time_op(fn, make_set, bytes_per_op: float, floor_s: float, max_sets: int, reps: int = 9,
+            mem_cap: float = 6e9) -> dict:
+    """Median seconds per op of fn(*set) over R distinct input sets (see module docstring)."""
+    r = math.ceil(max(3 * L2 / max(bytes_per_op, 1), 3e-4 / max(floor_s, 1e-7)))
+    r = int(max(2, min(r, max_sets, mem_cap // max(bytes_per_op, 1))))
+    sets = [make_set(i) for i in range(r)]
+    many = jax.jit(lambda sets: [fn(*s) for s in sets])
+    jax.block_until_ready(many(sets))  # compile + warm-up
+    t0 = time.perf_counter()
+    jax.block_until_ready(many(sets))
+    per_call = time.perf_counter() - t0
+    calls = max(1, int(5e-3 / per_call))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = many(sets)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / (calls * r))
+    del sets, out
+    return {"s": statistics.median(samples), "spread": (max(samples) - min(samples)) / statistics.median(samples),
+            "sets": r, "calls": calls}
+
+
+def rand(key, shape, dtype, scale=1.0):
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def weight(key, n, k):
+    kw, ks = jax.random.split(key)
+    return rand(kw, (n, k), FP8, 64.0), jnp.exp2(jax.random.uniform(ks, (-(-n // 128), k // 128), minval=-12, maxval=-4))
+
+
+# ---------------------------------------------------------------- ceilings
+def ceilings(sz: Sizes) -> dict:
+    key = jax.random.PRNGKey(0)
+    x = rand(key, (sz.copy_elems,), jnp.bfloat16)  # 1 GiB
+    t = time_op(lambda v: v + 1, lambda i: (x,) if i == 0 else (x + i,), 2 * x.nbytes, 2 * x.nbytes / HBM, 2)
+    copy = 2 * x.nbytes / t["s"]
+    del x
+    n = sz.peak_n
+    a, b = rand(key, (n, n), jnp.bfloat16), rand(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
+    pairs = lambda p, q: lambda i: (p, q) if i == 0 else (q, p)  # noqa: E731  (distinct sets)
+    t = time_op(lambda p, q: p @ q, pairs(a, b), 3 * n * n * 2, 2 * n**3 / PEAK_BF16, 2)
+    bf16 = 2 * n**3 / t["s"]
+    a8, b8 = a.astype(FP8), b.astype(FP8)
+    t = time_op(xla_fp8_dot, pairs(a8, b8), 3 * n * n, 2 * n**3 / PEAK_FP8, 2)
+    fp8 = 2 * n**3 / t["s"]
+    return {"copy_Bps": copy, "bf16_flops": bf16, "fp8_flops": fp8}
+
+
+def xla_fp8_dot(a, b):
+    """XLA's own fp8 GEMM: e4m3 x e4m3^T, float32 accumulation, bf16 out (no block scales)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def xla_bf16(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+# ---------------------------------------------------------------- act_quant / weight_dequant
+def bench_act_quant(sz: Sizes, sweep: bool) -> dict:
+    m, k = sz.act
+    byts = m * k * 3 + m * k // 128 * 4
+    key = jax.random.PRNGKey(2)
+    mk = lambda i: (rand(jax.random.fold_in(key, i), (m, k), jnp.bfloat16, 10.0),)  # noqa: E731
+    res = {"shape": [m, k], "bytes": byts, "floor_us": byts / HBM * 1e6}
+    tiles = [None]
+    if sweep:
+        tiles += [(8, 8, 4), (32, 8, 8), (4, 8, 4), (16, 4, 4), (8, 4, 2), (64, 1, 4), (2, 8, 2)]
+    rows = []
+    for tile in tiles:
+        def fn(x, tile=tile):
+            y, s = AQ._act_quant_2d(x.reshape(m, k // 128, 128), False, AQ.use_interpret(), tile)
+            return y, s
+        try:
+            t = time_op(fn, mk, byts, byts / HBM, sz.max_sets)
+        except Exception as e:  # a tile the compiler rejects: record and go on
+            rows.append({"tile": tile, "error": str(e)[:300]})
+            continue
+        rows.append({"tile": tile or list(AQ.default_tile(m, k // 128, 2)), "default": tile is None,
+                     "us": t["s"] * 1e6, "GBps": byts / t["s"] / 1e9, "spread": t["spread"]})
+        log(f"act_quant tile={rows[-1]['tile']} {rows[-1]['us']:.1f} us {rows[-1]['GBps']:.0f} GB/s")
+    # ue8m0 and the jnp twin under XLA, for comparison
+    t = time_op(lambda x: act_quant(x, scale_fmt="ue8m0"), mk, byts, byts / HBM, sz.max_sets)
+    res["ue8m0_default_us"] = t["s"] * 1e6
+    ref = sys.modules["pallas_kernels.reference"]
+    t = time_op(lambda x: ref.act_quant_ref(x), mk, byts, byts / HBM, sz.max_sets)
+    res["xla_twin_us"] = t["s"] * 1e6
+    res["runs"] = rows
+    return res
+
+
+def bench_weight_dequant(sz: Sizes, sweep: bool) -> dict:
+    m, n = sz.dequant
+    byts = m * n * 3 + (m // 128) * (n // 128) * 4
+    key = jax.random.PRNGKey(3)
+    mk = lambda i: weight(jax.random.fold_in(key, i), m, n)  # noqa: E731
+    res = {"shape": [m, n], "bytes": byts, "floor_us": byts / HBM * 1e6}
+    tiles = [None]
+    if sweep:
+        tiles += [(32, 512, 4), (128, 256, 8), (64, 128, 4), (128, 128, 4), (32, 1024, 8), (128, 512, 8), (16, 1024, 4)]
+    rows = []
+    for tile in tiles:
+        try:
+            t = time_op(lambda w, s, tile=tile: WD._weight_dequant(w, s, jnp.bfloat16, WD.use_interpret(), tile), mk, byts, byts / HBM, sz.max_sets)
+        except Exception as e:
+            rows.append({"tile": tile, "error": str(e)[:300]})
+            continue
+        rows.append({"tile": tile or list(WD.default_tile(m, n)), "default": tile is None,
+                     "us": t["s"] * 1e6, "GBps": byts / t["s"] / 1e9, "spread": t["spread"]})
+        log(f"weight_dequant tile={rows[-1]['tile']} {rows[-1]['us']:.1f} us {rows[-1]['GBps']:.0f} GB/s")
+    ref = sys.modules["pallas_kernels.reference"]
+    t = time_op(lambda w, s: ref.weight_dequant_ref(w, s), mk, byts, byts / HBM, sz.max_sets)
+    res["xla_twin_us"] = t["s"] * 1e6
+    res["runs"] = rows
+    return res
+
+
+# ---------------------------------------------------------------- fp8_gemm
+def candidates(m: int, n: int, k: int) -> list[GemmConfig]:
+    """Tilings tried by --sweep beside the default, most promising first."""
+    sp = lambda bm, bn: GM.auto_split(m, n, k, bm, bn)  # noqa: E731
+    if m <= 16:
+        out = [GemmConfig(16, 32, sp(16, 32), 4, 4), GemmConfig(16, 128, sp(16, 128), 4, 4),
+               GemmConfig(16, 64, sp(16, 64), 4, 6), GemmConfig(16, 64, sp(16, 64), 2, 4),
+               GemmConfig(16, 64, max(1, sp(16, 64) // 2), 4, 4)]
+    elif m <= 64:
+        out = [GemmConfig(64, 64, sp(64, 64), 4, 4, "f16"), GemmConfig(64, 32, sp(64, 32), 4, 4),
+               GemmConfig(64, 128, sp(64, 128), 4, 4), GemmConfig(64, 128, sp(64, 128), 4, 3, "f16"),
+               GemmConfig(32, 64, sp(32, 64), 4, 4)]
+    else:
+        # (128x128 with 4 warps and 256x128 spill registers: per-K-block scaling needs 2 accumulators)
+        out = [GemmConfig(128, 128, 1, 8, 4, "f16"), GemmConfig(128, 128, 1, 8, 3, "fp8"),
+               GemmConfig(128, 64, 1, 4, 4, "f16"), GemmConfig(64, 128, 1, 4, 4, "f16"),
+               GemmConfig(256, 64, 1, 8, 3, "f16"), GemmConfig(128, 64, 1, 4, 3, "fp8"),
+               GemmConfig(128, 128, 1, 8, 2, "f16")]
+    default = GM.default_config(m, n, k)
+    return [c for c in dict.fromkeys(out) if c != default]
+
+
+def bench_gemm(sz: Sizes, m: int, n: int, k: int, ceil: dict, sweep: bool, deadline: float) -> dict:
+    flops = 2 * m * n * k
+    b8 = n * k + m * k + m * n * 2 + m * k // 128 * 4 + (-(-n // 128)) * (k // 128) * 4
+    b16 = 2 * (n * k + m * k + m * n)
+    hbm, pk8, pk16 = ceil["copy_Bps"], ceil["fp8_flops"], ceil["bf16_flops"]
+    floor8 = {"mem_us": b8 / hbm * 1e6, "compute_us": flops / pk8 * 1e6}
+    floor16 = {"mem_us": b16 / hbm * 1e6, "compute_us": flops / pk16 * 1e6}
+    key = jax.random.PRNGKey(m * 7 + n * 13 + k)
+
+    def mk8(i):
+        kk = jax.random.fold_in(key, i)
+        a, a_s = act_quant(rand(jax.random.fold_in(kk, 1), (m, k), jnp.bfloat16, 3.0))
+        b, b_s = weight(kk, n, k)
+        return a, a_s, b, b_s
+
+    def mk16(i):
+        kk = jax.random.fold_in(key, i)
+        return rand(jax.random.fold_in(kk, 1), (m, k), jnp.bfloat16), rand(kk, (n, k), jnp.bfloat16, 0.05)
+
+    row = {"M": m, "N": n, "K": k, "flops": flops, "bytes_fp8": b8, "bytes_bf16": b16,
+           "floor_fp8": floor8, "floor_bf16": floor16}
+    fl8, fl16 = max(floor8.values()) / 1e6, max(floor16.values()) / 1e6
+    t = time_op(xla_bf16, mk16, b16, fl16, sz.max_sets)
+    row["xla_bf16_us"] = t["s"] * 1e6
+    try:
+        t = time_op(lambda a, a_s, b, b_s: xla_fp8_dot(a, b), mk8, b8, fl8, sz.max_sets)
+        row["xla_fp8_us"] = t["s"] * 1e6
+    except Exception as e:
+        row["xla_fp8_error"] = str(e)[:300]
+    configs = [GM.default_config(m, n, k)] + (candidates(m, n, k) if sweep else [])
+    runs = []
+    for i, cfg in enumerate(configs):
+        if i and time.time() > deadline:
+            row["sweep_cut"] = True
+            break
+        try:
+            t = time_op(lambda a, a_s, b, b_s, cfg=cfg: GM.fp8_gemm_with_config(a, a_s, b, b_s, cfg), mk8, b8, fl8,
+                        sz.max_sets)
+        except Exception as e:
+            runs.append({"config": dataclasses.asdict(cfg), "error": str(e)[:300]})
+            log(f"  {cfg}: ERROR {str(e)[:200]}")
+            continue
+        runs.append({"config": dataclasses.asdict(cfg), "default": i == 0, "us": t["s"] * 1e6,
+                     "tflops": flops / t["s"] / 1e12, "spread": t["spread"]})
+    row["runs"] = runs
+    ok = [r for r in runs if "us" in r]
+    if ok:
+        best = min(ok, key=lambda r: r["us"])
+        row["ours_default_us"] = ok[0]["us"] if ok[0].get("default") else None
+        row["ours_best_us"] = best["us"]
+        row["ours_best_config"] = best["config"]
+    log(f"M={m:5d} N={n:5d} K={k:5d}  ours {row.get('ours_default_us') or float('nan'):8.1f} us "
+        f"(best {row.get('ours_best_us', float('nan')):8.1f})  xla bf16 {row['xla_bf16_us']:8.1f}  "
+        f"xla fp8 {row.get('xla_fp8_us', float('nan')):8.1f}  floor fp8 mem {floor8['mem_us']:.1f} "
+        f"compute {floor8['compute_us']:.1f} us")
+    return row
+
+
+# ---------------------------------------------------------------- PTX inspection
+INSPECT = r"""
+import os, sys, glob, json
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp
+import pallas_kernels
+GM = sys.modules["pallas_kernels.fp8_gemm"]
+m, n, k = 4096, 2048, 7168
+a = jnp.zeros((m, k), jnp.float8_e4m3fn); s = jnp.ones((m, k // 128)); b = jnp.zeros((n, k), jnp.float8_e4m3fn); bs = jnp.ones((n // 128, k // 128))
+cfg = GM.GemmConfig(**json.loads(sys.argv[2]))
+jax.jit(lambda *x: GM.fp8_gemm_with_config(*x, cfg)).lower(a, s, b, bs).compile()
+"""
+
+
+def inspect_ptx(configs: list[GemmConfig]) -> list[dict]:
+    """Compile one GEMM per config in a subprocess with XLA dumps on and count the tensor-core
+    instructions in the PTX: wgmma (Hopper's warpgroup MMA) against mma.sync (the older path)."""
+    out = []
+    for cfg in configs:
+        d = Path(f"/tmp/bench_kernels_dump_{os.getpid()}_{len(out)}")
+        env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={d} --xla_dump_hlo_pass_re=NONE")
+        try:
+            subprocess.run([sys.executable, "-c", INSPECT, str(ROOT), json.dumps(dataclasses.asdict(cfg))],
+                           env=env, check=True, timeout=120, capture_output=True)
+            files = [p for p in d.rglob("*") if p.is_file()]
+            hits = {p.name for p in files if "wgmma" in p.read_text(errors="ignore") or "mma.sync" in p.read_text(errors="ignore")}
+            ptx = "".join(p.read_text(errors="ignore") for p in files if p.suffix == ".ptx")
+            counts = {pat: ptx.count(pat) for pat in ("wgmma.mma_async", "mma.sync", "cp.async.bulk.tensor", "cp.async.cg")}
+            out.append({"config": dataclasses.asdict(cfg), "ptx_bytes": len(ptx), "files": len(files),
+                        "files_with_mma": sorted(hits)[:8], **counts})
+        except Exception as e:
+            out.append({"config": dataclasses.asdict(cfg), "error": str(e)[:300]})
+        log("inspect", out[-1])
+    return out
+
+
+# ---------------------------------------------------------------- report
+def versions() -> dict:
+    v = {"jax": jax.__version__}
+    for pkg in ("jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "triton"):
+        try:
+            v[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return v
+
+
+def markdown(rep: dict) -> str:
+    c = rep["ceilings"]
+    L = [f"# pallas_kernels on {rep['gpu']} ({rep['date']})", "",
+         f"Versions: {', '.join(f'{k} {v}' for k, v in rep['versions'].items())}. "
+         f"Ceilings measured in this run: copy {c['copy_Bps'] / 1e12:.2f} TB/s, XLA bf16 matmul "
+         f"{c['bf16_flops'] / 1e12:.0f} TFLOP/s, XLA fp8 dot {c['fp8_flops'] / 1e12:.0f} TFLOP/s (8192^3). "
+         "Floors below use these ceilings.", ""]
+    for name in ("act_quant", "weight_dequant"):
+        r = rep.get(name)
+        if not r:
+            continue
+        ok = [x for x in r["runs"] if "us" in x]
+        d = next((x for x in ok if x.get("default")), None)
+        b = min(ok, key=lambda x: x["us"]) if ok else None
+        if d and b:
+            L.append(f"- **{name}** {r['shape'][0]}x{r['shape'][1]}: default tile {d['tile']} {d['us']:.1f} us = "
+                     f"{d['GBps']:.0f} GB/s; best tile {b['tile']} {b['us']:.1f} us = {b['GBps']:.0f} GB/s; "
+                     f"memory floor {r['floor_us']:.1f} us; XLA (jnp twin) {r['xla_twin_us']:.1f} us.")
+    L += ["", "fp8_gemm (block-scaled, bf16 out) vs XLA bf16 matmul and XLA raw fp8 dot of the same shape. "
+          "Floors: memory = bytes / copy bandwidth, compute = FLOPs / measured peak (fp8 for ours and "
+          "XLA fp8, bf16 for XLA bf16). Times in us.", "",
+          "| M | N x K | ours (default) | ours (best) | TFLOP/s (best) | best config | floor fp8 mem / compute "
+          "| XLA bf16 | floor bf16 mem / compute | XLA fp8 |",
+          "|---:|---|---:|---:|---:|---|---|---:|---|---:|"]
+    for r in rep["gemm"]:
+        bc = r.get("ours_best_config") or {}
+        cfg = f"{bc.get('bm')}x{bc.get('bn')} s{bc.get('split')} w{bc.get('num_warps')} st{bc.get('num_stages')} {bc.get('mma')}" if bc else "-"
+        f8, f16 = r["floor_fp8"], r["floor_bf16"]
+        fmt = lambda v: f"{v:.1f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
+        tf = r["flops"] / (r["ours_best_us"] * 1e-6) / 1e12 if r.get("ours_best_us") else None
+        L.append(f"| {r['M']} | {r['N']}x{r['K']} | {fmt(r.get('ours_default_us'))} | {fmt(r.get('ours_best_us'))} | "
+                 f"{fmt(tf)} | {cfg} | {f8['mem_us']:.1f} / {f8['compute_us']:.1f} | {fmt(r.get('xla_bf16_us'))} | "
+                 f"{f16['mem_us']:.1f} / {f16['compute_us']:.1f} | {fmt(r.get('xla_fp8_us'))} |")
+    if rep.get("inspect"):
+        L += ["", "Tensor-core instructions in the PTX XLA compiled (M=4096, N=2048, K=7168):", ""]
+        for r in rep["inspect"]:
+            L.append(f"- {r['config']}: " + (r.get("error") or
+                     f"wgmma.mma_async {r['wgmma.mma_async']}, mma.sync {r['mma.sync']}, "
+                     f"cp.async.bulk.tensor {r['cp.async.bulk.tensor']}, cp.async.cg {r['cp.async.cg']}"))
+    return "\n".join(L) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
+    ap.add_argument("--sweep", action="store_true", help="also time alternative tilings")
+    ap.add_argument("--budget-s", type=float, default=420, help="stop sweeping after this many seconds")
+    ap.add_argument("--inspect", action="store_true", help="count wgmma / mma.sync in XLA's PTX")
+    ap.add_argument("--only", default="", help="comma list of parts: act,dequant,gemm")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU dry run of the script")
+    args = ap.parse_args()
+    t_start = time.time()
+    deadline = t_start + args.budget_s
+    dev = jax.devices()[0]
+    parts = set(args.only.split(",")) if args.only else {"act", "dequant", "gemm"}
+    rep = {"gpu": dev.device_kind, "sms": getattr(dev, "core_count", None), "versions": versions(),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "method": "median over 9 repeats of wall time / (calls x R distinct input sets) of one jitted "
+                     "program; R sized to exceed 3x L2 and 0.3 ms per call"}
+    log(rep)
+    global HBM
+    sz = SMOKE if args.smoke else Sizes()
+    rep["ceilings"] = ceilings(sz)
+    HBM = rep["ceilings"]["copy_Bps"]
+    log("ceilings", rep["ceilings"])
+    if "act" in parts:
+        rep["act_quant"] = bench_act_quant(sz, args.sweep)
+    if "dequant" in parts:
+        rep["weight_dequant"] = bench_weight_dequant(sz, args.sweep)
+    if "gemm" in parts:
+        rep["gemm"] = []
+        for m in sz.gemm_m:
+            for n, k in sz.gemm_nk:
+                rep["gemm"].append(bench_gemm(sz, m, n, k, rep["ceilings"], args.sweep, deadline))
+    if args.inspect:
+        rep["inspect"] = inspect_ptx([GemmConfig(128, 128, 1, 8, 3, "f16"), GemmConfig(128, 128, 1, 8, 3, "fp8")])
+    rep.setdefault("gemm", [])
+    rep["wall_s"] = time.time() - t_start
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "kernels-" + ("h200" if "H200" in dev.device_kind else dev.device_kind.replace(" ", "_").lower())
+    stem += "-smoke" if args.smoke else ""
+    (out / f"{stem}.json").write_text(json.dumps(rep, indent=1, default=str))
+    md = markdown(rep)
+    (out / f"{stem}.md").write_text(md)
+    log(md)
+
+
+if __name__ == "__main__":
+    main()

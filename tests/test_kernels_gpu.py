@@ -1,0 +1,142 @@
+"""pallas_kernels compiled for the GPU (Pallas Triton backend): the checks of test_kernels.py at
+realistic sizes, every tiling the benchmark times, jit and shard_map. Run on the device with
+`pytest -m gpu tests/test_kernels_gpu.py`. Oracles run on the CPU (jnp twin, numpy float64)
+or, for the largest GEMMs, as a float32 HIGHEST-precision XLA matmul of the dequantised operands."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from kernel_checks import (AQ, GM, activations, check_act_quant, check_fp8_gemm, check_weight_dequant,
+                           fp8_weight, gemm_operands, rel_l2)
+from pallas_kernels import GemmConfig, act_quant, fp8_gemm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+def _bench_module():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_kernels"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+
+
+def test_runs_compiled():
+    assert not AQ.use_interpret(), "expected a GPU backend"
+
+
+# ---------------------------------------------------------------- act_quant
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+@pytest.mark.parametrize("shape,dtype", [
+    ((4096, 7168), jnp.bfloat16),
+    ((37, 384), jnp.bfloat16),
+    ((1, 7168), jnp.float32),
+    ((3, 5, 1536), jnp.float16),
+])
+def test_act_quant(rng, shape, dtype, scale_fmt):
+    check_act_quant(activations(rng, shape, dtype), scale_fmt)
+
+
+@pytest.mark.parametrize("tile", [(8, 8, 4), (32, 8, 8), (4, 8, 4), (16, 4, 4), (8, 4, 2), (64, 1, 4), (2, 8, 2)])
+def test_act_quant_bench_tiles(rng, tile):
+    check_act_quant(activations(rng, (300, 7168)), None, tile=tile, oracle_numpy=False)
+
+
+# ---------------------------------------------------------------- weight_dequant
+@pytest.mark.parametrize("m,n,out_dtype", [(7168, 2112, jnp.bfloat16), (200, 300, jnp.bfloat16),
+                                           (1, 130, jnp.float32), (4096, 7168, jnp.float32)])
+def test_weight_dequant(rng, m, n, out_dtype):
+    w, s = fp8_weight(rng, m, n)
+    check_weight_dequant(w, s, out_dtype)
+
+
+@pytest.mark.parametrize("tile", [(32, 512, 4), (128, 256, 8), (64, 128, 4), (128, 128, 4),
+                                  (32, 1024, 8), (128, 512, 8), (16, 1024, 4)])
+def test_weight_dequant_bench_tiles(rng, tile):
+    w, s = fp8_weight(rng, 1000, 1500)
+    check_weight_dequant(w, s, jnp.bfloat16, tile=tile)
+
+
+# ---------------------------------------------------------------- fp8_gemm
+@pytest.mark.parametrize("m", [1, 16, 37, 64, 200, 513])
+def test_fp8_gemm_default_vs_numpy(rng, m):
+    a, a_s, b, b_s = gemm_operands(rng, (m,), 2112, 1536)  # N = 16.5 blocks: ragged
+    check_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32)
+    check_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.bfloat16)
+
+
+def test_fp8_gemm_leading_dims(rng):
+    a, a_s, b, b_s = gemm_operands(rng, (2, 3, 5), 640, 1024)
+    check_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32)
+
+
+def _bench_configs():
+    bench = _bench_module()
+    out = []
+    for m in (1, 64, 4096):
+        for cfg in [GM.default_config(m, 2112, 1536)] + bench.candidates(m, 2112, 1536):
+            out.append((m, cfg))
+    return out
+
+
+@pytest.mark.parametrize("m,config", _bench_configs() if jax.default_backend() == "gpu" else [])
+def test_fp8_gemm_bench_configs(rng, m, config):
+    """Every tiling the benchmark times computes the right thing (at a ragged N)."""
+    rows = {1: 3, 64: 50, 4096: 300}[m]
+    a, a_s, b, b_s = gemm_operands(rng, (rows,), 2112, 1536)
+    check_fp8_gemm(a, a_s, b, b_s, config=config, out_dtype=jnp.float32)
+
+
+def _gpu_oracle(a, a_s, b, b_s):
+    """float32, HIGHEST precision XLA product of the dequantised operands (on the GPU)."""
+    k = a.shape[-1]
+    ad = (a.astype(jnp.float32).reshape(-1, k // 128, 128) * a_s.reshape(-1, k // 128, 1)).reshape(-1, k)
+    sb = jnp.repeat(b_s, 128, axis=0)[: b.shape[0]]
+    bd = (b.astype(jnp.float32).reshape(b.shape[0], k // 128, 128) * sb[..., None]).reshape(b.shape)
+    return jnp.dot(ad, bd.T, precision=jax.lax.Precision.HIGHEST)
+
+
+@pytest.mark.parametrize("m,n,k", [(4096, 7168, 2048), (4096, 2048, 7168), (1, 7168, 18432), (64, 7168, 18432)])
+def test_fp8_gemm_realistic(m, n, k):
+    key = jax.random.PRNGKey(m + n + k)
+    x = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
+    a, a_s = act_quant(x)
+    b = (jax.random.normal(jax.random.fold_in(key, 1), (n, k)) * 64).astype(jnp.float8_e4m3fn)
+    b_s = jnp.exp2(jax.random.uniform(jax.random.fold_in(key, 2), (-(-n // 128), k // 128), minval=-12, maxval=-4))
+    want = np.asarray(_gpu_oracle(a, a_s, b, b_s))
+    check_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, want=want)
+    check_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.bfloat16, want=want)
+
+
+# ---------------------------------------------------------------- jit / shard_map
+def test_shard_map_compiled(rng):
+    mesh = jax.make_mesh((1,), ("mp",), devices=jax.devices()[:1])
+    x = activations(rng, (64, 1024), special_blocks=False)
+    b, b_s = fp8_weight(rng, 512, 1024)
+
+    def local(x, b, b_s):
+        q, s = act_quant(x, scale_fmt="ue8m0")
+        return fp8_gemm(q, s, b, b_s, out_dtype=jnp.float32), q, s
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("mp"), P("mp"), P("mp")),
+                              out_specs=(P("mp"), P("mp"), P("mp"))))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    c, q, s = f(put(x, P("mp")), put(b, P("mp")), put(b_s, P("mp")))
+    q2, s2 = act_quant(x, scale_fmt="ue8m0")
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(q2).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s2))
+    assert rel_l2(c, _gpu_oracle(q2, s2, b, b_s)) < 1e-3
