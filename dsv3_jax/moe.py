@@ -7,6 +7,8 @@ one psum (together with the tensor-parallel shared experts) assembles the output
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -80,21 +82,26 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     """Rows of x (M, in), sorted by expert, times their expert's W^T (weight (E, out, in)).
 
     group_sizes (E,) counts the rows of each expert; rows past their sum come out as zeros.
-    This is the routed-expert GEMM; `jax.lax.ragged_dot_general` is its first body.
+    This is the routed-expert GEMM; `jax.lax.ragged_dot_general` is its first body. With an fp8
+    weight, "bf16" dequantises it; "fp8" also rounds the activations through `act_quant`, which
+    gives the scaled fp8 GEMM's numbers (products of e4m3 values are exact in float32).
     """
+    compute_dtype = x.dtype
     if scale is not None:
-        from pallas_kernels import weight_dequant
+        from pallas_kernels import act_quant, weight_dequant
 
-        experts, out_dim, in_dim = weight.shape
-        flat_w = weight.reshape(experts * out_dim, in_dim)
-        flat_s = scale.reshape(experts * scale.shape[1], scale.shape[2])
-        if out_dim % FP8_BLOCK:
-            raise ValueError(f"fp8 expert weights need out features divisible by {FP8_BLOCK}, got {out_dim}")
-        weight = weight_dequant(flat_w, flat_s, block_size=FP8_BLOCK, out_dtype=x.dtype).reshape(weight.shape)
+        if gemm_impl == "fp8":
+            compute_dtype = jnp.float32
+            xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
+            blocks = xq.astype(jnp.float32).reshape(x.shape[0], -1, FP8_BLOCK) * xs[..., None]
+            x = blocks.reshape(x.shape)
+        dequantize = functools.partial(weight_dequant, block_size=FP8_BLOCK, out_dtype=compute_dtype)
+        weight = jax.vmap(dequantize)(weight, scale)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    return jax.lax.ragged_dot_general(x, weight.astype(x.dtype), group_sizes, dims,
-                                      preferred_element_type=jnp.float32).astype(x.dtype)
+    out = jax.lax.ragged_dot_general(x.astype(compute_dtype), weight.astype(compute_dtype), group_sizes, dims,
+                                     preferred_element_type=jnp.float32)
+    return out
 
 
 class Experts(nnx.Module):
@@ -127,8 +134,8 @@ class Experts(nnx.Module):
             return grouped_matmul(inputs, linear.weight[...], scale, group_sizes.astype(jnp.int32),
                                   gemm_impl=gemm_impl, scale_fmt=scale_fmt)
 
-        hidden = jax.nn.silu(gmm(self.w1, rows).astype(jnp.float32)).astype(x.dtype) * gmm(self.w3, rows)
-        out = gmm(self.w2, hidden).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+        hidden = (jax.nn.silu(gmm(self.w1, rows)) * gmm(self.w3, rows)).astype(x.dtype)
+        out = gmm(self.w2, hidden) * weights.reshape(-1)[order][:, None]
         out = jnp.where(mine[order][:, None], out, 0.0)  # rows of other ranks' experts were not computed
         return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
 

@@ -13,7 +13,7 @@ V3_TINY = dict(
     first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
     n_shared_experts=1, num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
     q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    norm_topk_prob=True, max_position_embeddings=512, num_nextn_predict_layers=0,
+    norm_topk_prob=True, max_position_embeddings=256, num_nextn_predict_layers=0,
     rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
     rope_theta=10000.0, rms_norm_eps=1e-6,
@@ -28,9 +28,12 @@ V2_TINY = dict(
 )
 
 
-def hf_model(family: str = "v3", seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+def hf_model(family: str = "v3", seed: int = 0, branch_scale: float = 1.0, **overrides) -> transformers.PreTrainedModel:
     """A float32 HF model whose every parameter (gate bias included) is random at a scale that
-    makes routing and attention decisive, so that a wrong port shows in the logits."""
+    makes routing and attention decisive, so that a wrong port shows in the logits.
+
+    branch_scale < 1 shrinks the output projections (o_proj, down_proj), so that the residual
+    stream dominates each block's contribution, as in trained models."""
     torch.manual_seed(seed)
     if family == "v3":
         config = transformers.DeepseekV3Config(**{**V3_TINY, **overrides})
@@ -51,7 +54,8 @@ def hf_model(family: str = "v3", seed: int = 0, **overrides) -> transformers.Pre
                 tensor.copy_(torch.randn(tensor.shape, generator=generator))
             else:
                 fan_in = tensor.shape[-1]
-                tensor.copy_(torch.randn(tensor.shape, generator=generator) / math.sqrt(fan_in))
+                scale = branch_scale if ("o_proj" in name or "down_proj" in name) else 1.0
+                tensor.copy_(scale * torch.randn(tensor.shape, generator=generator) / math.sqrt(fan_in))
     return model.eval()
 
 

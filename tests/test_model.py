@@ -12,13 +12,13 @@ FAMILIES = {
     # sigmoid, groups + correction bias, q_lora > 0, YaRN on
     "v3": ("v3", {}),
     # no groups, rotate-half rotary layout, YaRN with the attention factor != 1
-    "v3_plain": ("v3", dict(n_group=1, topk_group=1, rope_interleave=False, q_lora_rank=16,
+    "v3_plain": ("v3", dict(n_group=1, topk_group=1, rope_interleave=False, q_lora_rank=16, max_position_embeddings=128,
                            rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                          "mscale": 1.0, "mscale_all_dim": 0.5})),
     # softmax, q_lora_rank None, no groups, norm_topk_prob False
     "v2": ("v2", {}),
     # softmax group-limited routing, YaRN with V2-Lite's mscale
-    "v2_groups_yarn": ("v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
+    "v2_groups_yarn": ("v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, max_position_embeddings=256,
                                   routed_scaling_factor=1.5, rope_scaling={
                                       "type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
                                       "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})),

@@ -1,0 +1,137 @@
+"""The fp8 model path: an HF model quantised block-wise into the hub fp8 layout, loaded with
+gemm_impl "bf16" (dequantise, then multiply) and "fp8" (quantised activations, scaled GEMM)."""
+import json
+
+import numpy as np
+import pytest
+
+import dsv3_jax
+from dsv3_jax.safetensors_io import CheckpointError
+from fp8_checkpoints import save_fp8
+from hf_models import hf_model, hf_step_logits
+
+# every matrix's input dimension a multiple of 128, as act_quant requires
+FP8_TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
+                n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    # Activations rounded to e4m3 carry ~3.6% rms error into every projection; with random weights
+    # of full scale that compounds block after block. A residual-dominated model (as trained ones
+    # are) keeps the end-to-end figure meaningful; test_fp8_paths_are_exact pins the arithmetic.
+    model = hf_model("v3", seed=11, branch_scale=0.1, **FP8_TINY)
+    directory, oracle = save_fp8(model, tmp_path_factory.mktemp("fp8"), files=3)
+    return oracle, directory
+
+
+def _steps(model, tokens, prefill, steps):
+    out = [np.asarray(model.forward(tokens[:, :prefill], 0))]
+    for i in range(steps):
+        out.append(np.asarray(model.forward(tokens[:, prefill + i: prefill + i + 1], prefill + i)))
+    return out
+
+
+def test_fp8_checkpoint_layout(fp8_checkpoint):
+    _, directory = fp8_checkpoint
+    index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) == 3
+    assert "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv" in index
+    model = dsv3_jax.load(directory, dtype="float32", max_batch_size=1, max_seq_len=16)
+    assert model.args.quantized
+    experts = model.state["moe_layers"]["ffn"]["experts"]["w2"]
+    assert experts["weight"][...].dtype == np.dtype("float8_e4m3fn") and experts["scale"][...].shape == (2, 4, 1, 1)
+    assert model.state["head"]["weight"][...].dtype == np.float32  # head stays in high precision
+
+
+def test_fp8_bf16_gemm_matches_hf_on_dequantised_weights(fp8_checkpoint):
+    hf, directory = fp8_checkpoint
+    tokens = np.random.default_rng(0).integers(0, 512, size=(2, 12))
+    expected = hf_step_logits(hf, tokens, 7, 5)
+    for attn_impl in ("absorb", "naive"):
+        model = dsv3_jax.load(directory, dtype="float32", gemm_impl="bf16", attn_impl=attn_impl,
+                              max_batch_size=2, max_seq_len=32)
+        got = _steps(model, tokens, 7, 5)
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(got, expected))
+        print(f"fp8 weights, gemm_impl bf16, {attn_impl}: max |logit diff| vs HF = {diff:.2e}")
+        assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_fp8_gemm_within_two_percent(fp8_checkpoint, tmp_path, scale_fmt):
+    hf, directory = fp8_checkpoint
+    if scale_fmt:
+        config = json.loads((directory / "config.json").read_text())
+        config["quantization_config"]["scale_fmt"] = scale_fmt
+        import shutil
+
+        directory = shutil.copytree(directory, tmp_path / "ue8m0")
+        (directory / "config.json").write_text(json.dumps(config))
+    tokens = np.random.default_rng(1).integers(0, 512, size=(2, 10))
+    expected = hf_step_logits(hf, tokens, 7, 3)
+    model = dsv3_jax.load(directory, dtype="float32", gemm_impl="fp8", max_batch_size=2, max_seq_len=32)
+    assert model.args.scale_fmt == scale_fmt
+    got = _steps(model, tokens, 7, 3)
+    rel = max(float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(got, expected))
+    print(f"gemm_impl fp8 (scale_fmt={scale_fmt}): max relative L2 vs HF = {rel:.4f}")
+    assert rel < 0.02
+
+
+def test_fp8_weight_without_scale_is_named(fp8_checkpoint, tmp_path):
+    import shutil
+
+    from dsv3_jax.safetensors_io import SafetensorsFile, save_file
+
+    directory = shutil.copytree(fp8_checkpoint[1], tmp_path / "noscale")
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    victim = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    path = directory / index["weight_map"].pop(victim)
+    file = SafetensorsFile(path)
+    kept = {n: np.array(file.tensor(n)) for n in file.keys() if n != victim}
+    del file
+    save_file(kept, path)
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="fp8 weight 'model.layers.0.self_attn.o_proj.weight' has no scale"):
+        dsv3_jax.load(directory, dtype="float32")
+
+
+def test_fp8_paths_are_exact():
+    """Linear and the routed-expert GEMM with gemm_impl "fp8" compute exactly
+    sum(act_quant(x) * a_s * w * w_s) (float64 oracle on the jnp twins' quantisation)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from dsv3_jax.layers import Linear
+    from dsv3_jax.moe import grouped_matmul
+    from dsv3_jax.sharding import make_mesh
+    from pallas_kernels import reference
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 256)).astype(np.float32) * np.linspace(0.1, 10, 256).astype(np.float32)
+    weight = (rng.standard_normal((3, 192, 256)) * 40).astype(jnp.float8_e4m3fn)
+    scale = rng.uniform(0.001, 0.01, (3, 2, 2)).astype(np.float32)
+    for scale_fmt in (None, "ue8m0"):
+        xq, xs = reference.act_quant_ref(jnp.asarray(x), 128, scale_fmt)
+        x_deq = np.asarray(xq, np.float64).reshape(5, 2, 128) * np.asarray(xs, np.float64)[..., None]
+        w_deq = np.asarray(weight, np.float64) * np.repeat(np.repeat(scale, 128, 1), 128, 2)[:, :192]
+        # Linear (expert 0's matrix), on a 1-device mesh
+        linear = Linear(256, 192, fp8=True, dtype=jnp.float32, rngs=None)
+        linear.weight.set_value(jnp.asarray(weight[0]))
+        linear.scale.set_value(jnp.asarray(scale[0]))
+        graphdef, state = nnx.split(linear)
+        run = jax.shard_map(lambda s, v: nnx.merge(graphdef, s)(v, gemm_impl="fp8", scale_fmt=scale_fmt),
+                            mesh=make_mesh(1), in_specs=(P(), P()), out_specs=P(), check_vma=False)
+        got = np.asarray(run(state, jnp.asarray(x)))
+        expected = x_deq.reshape(5, 256) @ w_deq[0].T
+        assert np.abs(got - expected).max() <= 1e-4 * np.abs(expected).max()
+        # grouped GEMM: rows 0-1 -> expert 0, rows 2-4 -> expert 2
+        grouped = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(weight), jnp.asarray(scale),
+                                            jnp.array([2, 0, 3], jnp.int32), gemm_impl="fp8", scale_fmt=scale_fmt))
+        rows = x_deq.reshape(5, 256)
+        expected = np.concatenate([rows[:2] @ w_deq[0].T, rows[2:] @ w_deq[2].T])
+        assert np.abs(grouped - expected).max() <= 1e-4 * np.abs(expected).max()
