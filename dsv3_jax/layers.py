@@ -31,6 +31,15 @@ def init_normal(rngs: nnx.Rngs | None, shape, dtype, std: float):
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+def init_fp8(rngs: nnx.Rngs | None, shape):
+    """Random e4m3 values of magnitude < 2, drawn as raw bytes (no float32 copy of a huge weight);
+    clearing the top exponent bit also rules out the NaN encodings."""
+    if rngs is None:
+        return jnp.zeros(shape, FP8_DTYPE)
+    bits = jax.random.bits(rngs.params(), shape, jnp.uint8) & jnp.uint8(0b10111111)
+    return jax.lax.bitcast_convert_type(bits, FP8_DTYPE)
+
+
 class Linear(nnx.Module):
     """y = x W^T with W (out, in), optionally stacked (leading layer / expert axes).
 
@@ -49,8 +58,7 @@ class Linear(nnx.Module):
         std = 1.0 / math.sqrt(in_features)
         self.parallel = parallel
         if fp8:
-            self.weight = param(init_normal(rngs, shape, jnp.float32, 1.0).astype(FP8_DTYPE),
-                                stack_partition + split)
+            self.weight = param(init_fp8(rngs, shape), stack_partition + split)
             scale_shape = (*stack, -(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
             self.scale = param(jnp.full(scale_shape, std, jnp.float32), stack_partition + split)
         else:

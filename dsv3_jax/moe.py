@@ -128,10 +128,18 @@ class Experts(nnx.Module):
         token_of = order // topk
         group_sizes = jnp.bincount(jnp.where(mine, local_ids, local_experts), length=local_experts + 1)[:-1]
         rows = jnp.take(x, token_of, axis=0)
+        # ragged_dot reads every expert's weights whatever the group sizes; with few rows (decoding)
+        # gather just the experts in use first, ascending like the sorted rows.
+        if 2 * tokens * topk <= local_experts:
+            used = jnp.unique(sort_key, size=tokens * topk, fill_value=local_experts)
+            slot_sizes = jnp.where(used < local_experts, group_sizes[jnp.minimum(used, local_experts - 1)], 0)
+            select = lambda a: jnp.take(a, jnp.minimum(used, local_experts - 1), axis=0)  # noqa: E731
+        else:
+            slot_sizes, select = group_sizes, lambda a: a  # noqa: E731
 
         def gmm(linear: Linear, inputs):
-            scale = None if linear.scale is None else linear.scale[...]
-            return grouped_matmul(inputs, linear.weight[...], scale, group_sizes.astype(jnp.int32),
+            scale = None if linear.scale is None else select(linear.scale[...])
+            return grouped_matmul(inputs, select(linear.weight[...]), scale, slot_sizes.astype(jnp.int32),
                                   gemm_impl=gemm_impl, scale_fmt=scale_fmt)
 
         hidden = (jax.nn.silu(gmm(self.w1, rows)) * gmm(self.w3, rows)).astype(x.dtype)

@@ -15,6 +15,8 @@ FAMILIES = {
     "v3_plain": ("v3", dict(n_group=1, topk_group=1, rope_interleave=False, q_lora_rank=16, max_position_embeddings=128,
                            rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                          "mscale": 1.0, "mscale_all_dim": 0.5})),
+    # many experts: decoding gathers only the experts in use before the grouped GEMM
+    "v3_many_experts": ("v3", dict(n_routed_experts=32, n_group=4, topk_group=2)),
     # softmax, q_lora_rank None, no groups, norm_topk_prob False
     "v2": ("v2", {}),
     # softmax group-limited routing, YaRN with V2-Lite's mscale

@@ -1,0 +1,243 @@
+"""Benchmark prefill and decode of a DeepSeek model with random weights made on the device(s).
+
+For every figure it prints the memory-bandwidth floor beside it (bytes a step must read: active
+weights plus the cache actually attended, over the copy bandwidth measured in the same run) and
+writes benchmarks/model-<gpu>-<config>.json and .md.
+
+    python scripts/bench_model.py --config ../shared/fixtures/reference-configs/config_16B.json
+    python scripts/bench_model.py --config config_671B.json --layers 4 --gemm-impl fp8
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import dsv3_jax  # noqa: E402
+from dsv3_jax.config import ModelArgs  # noqa: E402
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy rate in bytes/s (read + write counted), 2 GiB buffers."""
+    x = jax.device_put(jnp.ones((1 << 29,), jnp.float32), device)
+    copy = jax.jit(lambda a: a + 1)
+    copy(x).block_until_ready()
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        copy(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * x.nbytes / float(np.median(times))
+
+
+def weight_bytes(args: ModelArgs, dtype_bytes: int) -> dict[str, float]:
+    """Bytes of the weights by role (fp8 weights: 1 byte + one float32 per 128x128 block)."""
+    wbytes = 1 + 4 / (128 * 128) if args.quantized else dtype_bytes
+
+    def linear(i, o):
+        return i * o * wbytes
+
+    heads = args.n_heads
+    attn = (linear(args.dim, heads * args.qk_head_dim) if args.q_lora_rank == 0 else
+            linear(args.dim, args.q_lora_rank) + linear(args.q_lora_rank, heads * args.qk_head_dim))
+    attn += linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim)
+    attn += linear(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim))
+    attn += linear(heads * args.v_head_dim, args.dim)
+    return {
+        "attn": attn,
+        "dense_mlp": 3 * linear(args.dim, args.inter_dim),
+        "expert": 3 * linear(args.dim, args.moe_inter_dim),
+        "shared": 3 * linear(args.dim, args.n_shared_experts * args.moe_inter_dim),
+        "gate": args.n_routed_experts * args.dim * dtype_bytes,
+        "head": args.vocab_size * args.dim * dtype_bytes,
+    }
+
+
+def decode_bytes(args: ModelArgs, batch: int, context: int, dtype_bytes: int) -> float:
+    """Fewest bytes one decode step must read: each selected expert once (expected distinct
+    experts under uniform routing), every other weight once, and the cache rows attended."""
+    w = weight_bytes(args, dtype_bytes)
+    k, experts = args.n_activated_experts, args.n_routed_experts
+    distinct = experts * (1 - (1 - k / experts) ** batch)
+    total = args.n_layers * w["attn"] + args.n_dense_layers * w["dense_mlp"] + w["head"]
+    total += args.n_moe_layers * (w["shared"] + w["gate"] + distinct * w["expert"])
+    total += args.n_layers * batch * context * (args.kv_lora_rank + args.qk_rope_head_dim) * dtype_bytes
+    return total
+
+
+def prefill_flops(args: ModelArgs, batch: int, length: int) -> float:
+    """Matmul FLOPs of a prefill (2 per multiply-add), attention scores included (causal half)."""
+    w = weight_bytes(args.replace(dtype="bf16"), 1)  # element counts
+    per_token = args.n_layers * w["attn"] + args.n_dense_layers * w["dense_mlp"]
+    per_token += args.n_moe_layers * (w["shared"] + w["gate"] + args.n_activated_experts * w["expert"]) + w["head"]
+    attn = args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * length / 2
+    return 2 * batch * length * (per_token + attn)
+
+
+def timed(fn, repeats: int) -> float:
+    """Median wall time of fn() (already compiled) over `repeats` runs."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def bench_prefill(model, batch: int, length: int, repeats: int) -> dict:
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, model.args.vocab_size, (batch, length)), jnp.int32)
+    start = jnp.zeros((batch,), jnp.int32)
+    last = jnp.full((batch,), length - 1, jnp.int32)
+    window = dsv3_jax.cache_window(length, model.args.max_seq_len)
+
+    def run():
+        logits, model.cache = model.step(model.state, model.cache, tokens, start, last, kv_len=window)
+        return logits
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(run())
+    first = time.perf_counter() - t0
+    seconds = timed(run, repeats)
+    return {"batch": batch, "length": length, "seconds": seconds, "tok_per_s": batch * length / seconds,
+            "compile_s": max(0.0, first - seconds)}
+
+
+def bench_decode(model, batch: int, context: int, steps: int) -> dict:
+    """`steps` decode steps after a prefill of `context` tokens, greedy tokens kept on the device."""
+    rng = np.random.default_rng(1)
+    args = model.args
+    prompt = jnp.asarray(rng.integers(0, args.vocab_size, (batch, context)), jnp.int32)
+    window = dsv3_jax.cache_window(context + 2 * steps + 1, args.max_seq_len)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    logits, model.cache = model.step(model.state, model.cache, prompt, zeros, zeros + context - 1, kv_len=window)
+
+    def decode(n, logits, position):
+        for _ in range(n):
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
+            logits, model.cache = model.step(model.state, model.cache, token, position, zeros, kv_len=window)
+            position = position + 1
+        return logits, position
+
+    position = zeros + context
+    t0 = time.perf_counter()
+    logits, position = decode(1, logits, position)
+    jax.block_until_ready(logits)
+    first = time.perf_counter() - t0
+    logits, position = decode(4, logits, position)  # warm-up
+    jax.block_until_ready(logits)
+    t0 = time.perf_counter()
+    logits, position = decode(steps, logits, position)
+    jax.block_until_ready(logits)
+    per_step = (time.perf_counter() - t0) / steps
+    return {"batch": batch, "context": context, "steps": steps, "ms_per_step": per_step * 1e3,
+            "tok_per_s": batch / per_step, "compile_s": max(0.0, first - per_step)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="a reference JSON config")
+    parser.add_argument("--layers", type=int, help="cut the model to this many layers (dense first)")
+    parser.add_argument("--dense-layers", type=int, help="with --layers: how many of them are dense")
+    parser.add_argument("--weights", choices=("bf16", "fp8"), help="weight storage (default: the config's dtype)")
+    parser.add_argument("--gemm-impl", default="bf16", choices=("bf16", "fp8"))
+    parser.add_argument("--attn-impl", default="absorb", choices=("absorb", "naive"))
+    parser.add_argument("--num-devices", type=int, default=1)
+    parser.add_argument("--decode-batches", default="1,8,32")
+    parser.add_argument("--prefill-batches", default="1,8")
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--context", type=int, default=512, help="tokens in the cache before decoding")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tag", default="", help="suffix for the output file names")
+    parser.add_argument("--out-dir", default="benchmarks")
+    opts = parser.parse_args()
+
+    args = ModelArgs.from_reference_json(opts.config)
+    decode_batches = [int(b) for b in opts.decode_batches.split(",") if b]
+    prefill_batches = [int(b) for b in opts.prefill_batches.split(",") if b]
+    changes = dict(max_batch_size=max(decode_batches + prefill_batches),
+                   max_seq_len=max(opts.prefill_len, opts.context + 2 * opts.steps + 8))
+    if opts.layers:
+        changes.update(n_layers=opts.layers, n_dense_layers=min(args.n_dense_layers if opts.dense_layers is None
+                                                                 else opts.dense_layers, opts.layers))
+    if opts.weights:
+        changes["dtype"] = opts.weights
+    args = args.replace(**changes)
+    device = jax.devices()[0]
+    bandwidth = copy_bandwidth(device)
+    print(f"device {device.device_kind}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+
+    t0 = time.perf_counter()
+    model = dsv3_jax.build(args, seed=0, dtype="bfloat16", attn_impl=opts.attn_impl, gemm_impl=opts.gemm_impl,
+                           num_devices=opts.num_devices)
+    jax.block_until_ready(model.state)
+    build_s = time.perf_counter() - t0
+    params = sum(x.size for x in jax.tree.leaves(model.state))
+    print(f"built {args.n_layers} layers ({params / 1e9:.2f} G parameters, {args.dtype} weights) in {build_s:.1f} s")
+
+    rows = []
+    for batch in prefill_batches:
+        result = bench_prefill(model, batch, opts.prefill_len, opts.repeats)
+        flops = prefill_flops(args, batch, opts.prefill_len)
+        result.update(kind="prefill", tflops=flops / result["seconds"] / 1e12)
+        rows.append(result)
+        print(f"prefill b={batch} x {opts.prefill_len}: {result['tok_per_s']:,.0f} tok/s "
+              f"({result['seconds'] * 1e3:.2f} ms, {result['tflops']:.0f} TFLOP/s, compile {result['compile_s']:.1f} s)")
+    for batch in decode_batches:
+        result = bench_decode(model, batch, opts.context, opts.steps)
+        context = opts.context + opts.steps // 2
+        bytes_read = decode_bytes(args, batch, context, 2) / opts.num_devices
+        floor_ms = bytes_read / bandwidth * 1e3
+        result.update(kind="decode", bytes_per_step=bytes_read, floor_ms=floor_ms,
+                      achieved_gb_s=bytes_read / (result["ms_per_step"] / 1e3) / 1e9,
+                      pct_roofline=100 * floor_ms / result["ms_per_step"])
+        rows.append(result)
+        print(f"decode b={batch}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} ms/step "
+              f"(floor {floor_ms:.3f} ms = {bytes_read / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s: "
+              f"{result['pct_roofline']:.0f}% of roofline; compile {result['compile_s']:.1f} s)")
+
+    stats = device.memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use", 0)
+    name = Path(opts.config).stem.replace("config_", "")
+    gpu = device.device_kind.lower().replace("nvidia ", "").replace(" ", "-")
+    record = {
+        "gpu": device.device_kind, "devices": opts.num_devices, "config": Path(opts.config).name,
+        "layers": args.n_layers, "dense_layers": args.n_dense_layers, "weights": args.dtype,
+        "gemm_impl": opts.gemm_impl, "attn_impl": opts.attn_impl, "jax": jax.__version__,
+        "python": platform.python_version(), "date": datetime.date.today().isoformat(),
+        "copy_bandwidth_tb_s": bandwidth / 1e12, "build_s": build_s, "peak_device_bytes": peak, "rows": rows,
+    }
+    out = Path(opts.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"model-{gpu}-{name}{'-' + opts.tag if opts.tag else ''}"
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=2))
+    lines = [f"# {name}: {args.n_layers} layers, {args.dtype} weights, gemm_impl {opts.gemm_impl}",
+             "", f"{device.device_kind} x{opts.num_devices}, jax {jax.__version__}, {record['date']}; "
+             f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; peak device memory {peak / 2**30:.1f} GiB", "",
+             "| run | tok/s | ms/step | bytes/step | GB/s | % roofline | compile s |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] == "prefill":
+            lines.append(f"| prefill {r['batch']}x{r['length']} | {r['tok_per_s']:,.0f} | {r['seconds'] * 1e3:.2f} | "
+                         f"- | - | {r['tflops']:.0f} TFLOP/s | {r['compile_s']:.1f} |")
+        else:
+            lines.append(f"| decode b={r['batch']} | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "
+                         f"{r['bytes_per_step'] / 1e9:.2f} GB | {r['achieved_gb_s']:,.0f} | {r['pct_roofline']:.0f}% | "
+                         f"{r['compile_s']:.1f} |")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
