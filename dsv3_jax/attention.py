@@ -30,6 +30,7 @@ class StepContext:
     attn_impl: str = "absorb"
     gemm_impl: str = "bf16"
     scale_fmt: str | None = None
+    moe_impl: str = "auto"  # routed-expert GEMM: "auto", "kernel" (Pallas grouped), "gather", "ragged"
 
 
 def write_cache(cache: jnp.ndarray, layer, values: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:

@@ -34,7 +34,7 @@ class Block(nnx.Module):
         attn_out, cache = self.attn(self.attn_norm(x), ctx, cache, layer)
         h = x + attn_out
         if isinstance(self.ffn, MoE):
-            ffn_out = self.ffn(self.ffn_norm(h), ctx.gemm_impl, ctx.scale_fmt)
+            ffn_out = self.ffn(self.ffn_norm(h), ctx.gemm_impl, ctx.scale_fmt, ctx.moe_impl)
         else:
             ffn_out = self.ffn(self.ffn_norm(h), ctx.gemm_impl, ctx.scale_fmt, reduce=True)
         return h + ffn_out, cache

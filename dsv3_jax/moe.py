@@ -77,31 +77,44 @@ class Gate(nnx.Module):
         return weights * self.route_scale, indices.astype(jnp.int32)
 
 
+def grouped_kernel_applies(rows: int, local_experts: int, in_dims: tuple[int, ...]) -> bool:
+    """Whether the routed-expert GEMM should use the Pallas grouped kernel: on a GPU, for
+    decode-sized row counts (where reading only the experts in use matters), K a multiple of 128."""
+    from pallas_kernels._common import use_interpret
+
+    return not use_interpret() and rows <= 4 * max(local_experts, 16) and all(k % FP8_BLOCK == 0 for k in in_dims)
+
+
 def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | None, group_sizes: jnp.ndarray,
-                   *, gemm_impl: str = "bf16", scale_fmt: str | None = None) -> jnp.ndarray:
-    """Rows of x (M, in), sorted by expert, times their expert's W^T (weight (E, out, in)).
+                   *, gemm_impl: str = "bf16", scale_fmt: str | None = None, use_kernel: bool = False) -> jnp.ndarray:
+    """Rows of x (M, in), sorted by expert, times their expert's W^T (weight (E, out, in)) -> float32.
 
     group_sizes (E,) counts the rows of each expert; rows past their sum come out as zeros.
-    This is the routed-expert GEMM; `jax.lax.ragged_dot_general` is its first body. With an fp8
-    weight, "bf16" dequantises it; "fp8" also rounds the activations through `act_quant`, which
-    gives the scaled fp8 GEMM's numbers (products of e4m3 values are exact in float32).
+    `use_kernel` runs the Pallas grouped GEMM, which reads only the experts in use; otherwise
+    `jax.lax.ragged_dot_general`, which streams every expert. With an fp8 weight, "bf16"
+    dequantises it (in the kernel, tile by tile); "fp8" also rounds the activations through
+    `act_quant`: exactly the scaled fp8 GEMM's products on the XLA path, carried in x's dtype
+    in the kernel (exact for ue8m0 scales, within 2^-9 otherwise).
     """
-    compute_dtype = x.dtype
-    if scale is not None:
-        from pallas_kernels import act_quant, weight_dequant
+    if scale is not None and gemm_impl == "fp8":
+        from pallas_kernels import act_quant
 
-        if gemm_impl == "fp8":
-            compute_dtype = jnp.float32
-            xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
-            blocks = xq.astype(jnp.float32).reshape(x.shape[0], -1, FP8_BLOCK) * xs[..., None]
-            x = blocks.reshape(x.shape)
-        dequantize = functools.partial(weight_dequant, block_size=FP8_BLOCK, out_dtype=compute_dtype)
+        xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
+        blocks = xq.astype(jnp.float32).reshape(x.shape[0], -1, FP8_BLOCK) * xs[..., None]
+        x = blocks.reshape(x.shape).astype(x.dtype if use_kernel else jnp.float32)
+    if use_kernel:
+        from pallas_kernels.grouped_gemm import grouped_gemm
+
+        return grouped_gemm(x, weight, group_sizes, scale, out_dtype=jnp.float32)
+    if scale is not None:
+        from pallas_kernels import weight_dequant
+
+        dequantize = functools.partial(weight_dequant, block_size=FP8_BLOCK, out_dtype=x.dtype)
         weight = jax.vmap(dequantize)(weight, scale)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    out = jax.lax.ragged_dot_general(x.astype(compute_dtype), weight.astype(compute_dtype), group_sizes, dims,
-                                     preferred_element_type=jnp.float32)
-    return out
+    return jax.lax.ragged_dot_general(x, weight.astype(x.dtype), group_sizes, dims,
+                                      preferred_element_type=jnp.float32)
 
 
 class Experts(nnx.Module):
@@ -116,8 +129,11 @@ class Experts(nnx.Module):
         self.w3 = Linear(args.dim, args.moe_inter_dim, **common)
 
     def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, indices: jnp.ndarray, gemm_impl: str = "bf16",
-                 scale_fmt: str | None = None) -> jnp.ndarray:
-        """This rank's share of sum_k weight_k * expert_k(x): x (N, dim), weights/indices (N, k)."""
+                 scale_fmt: str | None = None, moe_impl: str = "auto") -> jnp.ndarray:
+        """This rank's share of sum_k weight_k * expert_k(x): x (N, dim), weights/indices (N, k).
+
+        moe_impl "auto" picks the Pallas grouped kernel for decode-sized batches on a GPU, else
+        gathers the experts in use when they are few, else `ragged_dot` over all local experts."""
         tokens, topk = indices.shape
         local_experts = self.w1.weight.shape[0]
         first = jax.lax.axis_index(MODEL_AXIS) * local_experts
@@ -129,8 +145,15 @@ class Experts(nnx.Module):
         group_sizes = jnp.bincount(jnp.where(mine, local_ids, local_experts), length=local_experts + 1)[:-1]
         rows = jnp.take(x, token_of, axis=0)
         # ragged_dot reads every expert's weights whatever the group sizes; with few rows (decoding)
-        # gather just the experts in use first, ascending like the sorted rows.
-        if 2 * tokens * topk <= local_experts:
+        # use the grouped kernel, or without it gather just the experts in use first, ascending
+        # like the sorted rows.
+        in_dims = (self.w1.weight.shape[-1], self.w2.weight.shape[-1])
+        if moe_impl == "auto":
+            use_kernel = grouped_kernel_applies(tokens * topk, local_experts, in_dims)
+            gather = not use_kernel and 2 * tokens * topk <= local_experts
+        else:
+            use_kernel, gather = moe_impl == "kernel", moe_impl == "gather"
+        if gather:
             used = jnp.unique(sort_key, size=tokens * topk, fill_value=local_experts)
             slot_sizes = jnp.where(used < local_experts, group_sizes[jnp.minimum(used, local_experts - 1)], 0)
             select = lambda a: jnp.take(a, jnp.minimum(used, local_experts - 1), axis=0)  # noqa: E731
@@ -140,7 +163,7 @@ class Experts(nnx.Module):
         def gmm(linear: Linear, inputs):
             scale = None if linear.scale is None else select(linear.scale[...])
             return grouped_matmul(inputs, select(linear.weight[...]), scale, slot_sizes.astype(jnp.int32),
-                                  gemm_impl=gemm_impl, scale_fmt=scale_fmt)
+                                  gemm_impl=gemm_impl, scale_fmt=scale_fmt, use_kernel=use_kernel)
 
         hidden = (jax.nn.silu(gmm(self.w1, rows)) * gmm(self.w3, rows)).astype(x.dtype)
         out = gmm(self.w2, hidden) * weights.reshape(-1)[order][:, None]
@@ -158,11 +181,12 @@ class MoE(nnx.Module):
         self.shared_experts = MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, stack=stack, dtype=dtype,
                                   fp8=args.quantized, rngs=rngs) if args.n_shared_experts else None
 
-    def __call__(self, x: jnp.ndarray, gemm_impl: str = "bf16", scale_fmt: str | None = None) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, gemm_impl: str = "bf16", scale_fmt: str | None = None,
+                 moe_impl: str = "auto") -> jnp.ndarray:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat)
-        y = self.experts(flat, weights, indices, gemm_impl, scale_fmt)
+        y = self.experts(flat, weights, indices, gemm_impl, scale_fmt, moe_impl)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat, gemm_impl, scale_fmt).astype(jnp.float32)
         return jax.lax.psum(y, MODEL_AXIS).astype(x.dtype).reshape(shape)

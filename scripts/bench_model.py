@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--gemm-impl", default="bf16", choices=("bf16", "fp8"))
     parser.add_argument("--attn-impl", default="absorb", choices=("absorb", "naive"))
     parser.add_argument("--num-devices", type=int, default=1)
+    parser.add_argument("--moe-impls", default="auto", help="routed-expert paths to time decode with, e.g. auto,ragged")
     parser.add_argument("--decode-batches", default="1,8,32")
     parser.add_argument("--prefill-batches", default="1,8")
     parser.add_argument("--prefill-len", type=int, default=512)
@@ -193,21 +194,27 @@ def main() -> None:
         flops = prefill_flops(args, batch, opts.prefill_len)
         result.update(kind="prefill", tflops=flops / result["seconds"] / 1e12)
         rows.append(result)
+        print(flush=True)
         print(f"prefill b={batch} x {opts.prefill_len}: {result['tok_per_s']:,.0f} tok/s "
               f"({result['seconds'] * 1e3:.2f} ms, {result['tflops']:.0f} TFLOP/s, compile {result['compile_s']:.1f} s)")
-    for batch in decode_batches:
-        result = bench_decode(model, batch, opts.context, opts.steps)
-        context = opts.context + opts.steps // 2
-        bytes_read = decode_bytes(args, batch, context, 2) / opts.num_devices
-        floor_ms = bytes_read / bandwidth * 1e3
-        result.update(kind="decode", bytes_per_step=bytes_read, floor_ms=floor_ms,
-                      achieved_gb_s=bytes_read / (result["ms_per_step"] / 1e3) / 1e9,
-                      pct_roofline=100 * floor_ms / result["ms_per_step"])
-        rows.append(result)
-        print(f"decode b={batch}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} ms/step "
-              f"(floor {floor_ms:.3f} ms = {bytes_read / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s: "
-              f"{result['pct_roofline']:.0f}% of roofline; compile {result['compile_s']:.1f} s)")
-
+    for moe_impl in opts.moe_impls.split(","):
+        runner = model if moe_impl == model.moe_impl else dsv3_jax.Model(
+            args, model.graphdef, model.state, model.mesh, dtype=model.dtype, attn_impl=model.attn_impl,
+            gemm_impl=model.gemm_impl, moe_impl=moe_impl)
+        for batch in decode_batches:
+            result = bench_decode(runner, batch, opts.context, opts.steps)
+            context = opts.context + opts.steps // 2
+            bytes_read = decode_bytes(args, batch, context, 2) / opts.num_devices
+            floor_ms = bytes_read / bandwidth * 1e3
+            result.update(kind="decode", moe_impl=moe_impl, bytes_per_step=bytes_read, floor_ms=floor_ms,
+                          achieved_gb_s=bytes_read / (result["ms_per_step"] / 1e3) / 1e9,
+                          pct_roofline=100 * floor_ms / result["ms_per_step"])
+            rows.append(result)
+            print(f"decode b={batch} moe={moe_impl}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
+                  f"ms/step (floor {floor_ms:.3f} ms = {bytes_read / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s: "
+                  f"{result['pct_roofline']:.0f}% of roofline; compile {result['compile_s']:.1f} s)", flush=True)
+        if runner is not model:
+            del runner
     stats = device.memory_stats() or {}
     peak = stats.get("peak_bytes_in_use", 0)
     name = Path(opts.config).stem.replace("config_", "")
@@ -232,7 +239,7 @@ def main() -> None:
             lines.append(f"| prefill {r['batch']}x{r['length']} | {r['tok_per_s']:,.0f} | {r['seconds'] * 1e3:.2f} | "
                          f"- | - | {r['tflops']:.0f} TFLOP/s | {r['compile_s']:.1f} |")
         else:
-            lines.append(f"| decode b={r['batch']} | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "
+            lines.append(f"| decode b={r['batch']} ({r['moe_impl']}) | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "
                          f"{r['bytes_per_step'] / 1e9:.2f} GB | {r['achieved_gb_s']:,.0f} | {r['pct_roofline']:.0f}% | "
                          f"{r['compile_s']:.1f} |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")

@@ -140,3 +140,4 @@ def test_bfloat16_close_to_float32(checkpoints):
     a, b = np.asarray(f32.forward(tokens, 0)), np.asarray(bf16.forward(tokens, 0))
     assert b.dtype == np.float32
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.05
+

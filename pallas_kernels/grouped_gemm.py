@@ -1,0 +1,147 @@
+"""Grouped GEMM for routed experts that reads only the experts in use (decode-sized batches).
+
+``out[r] = x[r] @ w[g(r)]^T`` for rows sorted by group (expert), ``group_sizes[g]`` rows each.
+XLA's ``ragged_dot`` streams every expert's weights whatever the group sizes; here each program
+owns one (tile of at most ``block_m`` rows of one group) x (``block_n`` output columns) and loads
+only that group's weight slice, so a decode step reads just the selected experts. The tile
+schedule (group, first row, group end) is computed in plain XLA and read by the kernel as data.
+
+An fp8 weight (float8_e4m3fn with float32 128x128 block scales) is dequantised tile by tile in
+the kernel, to x's dtype, as ``weight_dequant`` then a matmul would: the "bf16" GEMM path.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._common import BLOCK, FP8, cdiv, fail, interpret_in_shard_map, match_vma, result, use_interpret, vma_union
+
+_FN = "grouped_gemm"
+
+
+def grouped_gemm_ref(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None,
+                     out_dtype=jnp.float32) -> jax.Array:
+    """The plain-XLA twin: dequantise (if fp8) then `ragged_dot`; rows past the groups are zero."""
+    if w_scale is not None:
+        full = jnp.repeat(jnp.repeat(w_scale, BLOCK, axis=1), BLOCK, axis=2)[:, : w.shape[1], : w.shape[2]]
+        w = (w.astype(jnp.float32) * full).astype(x.dtype)
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    out = jax.lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), dims,
+                                     preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None,
+                 *, out_dtype=jnp.float32, block_m: int = 16, block_n: int = 64, num_warps: int = 4,
+                 num_stages: int = 3) -> jax.Array:
+    """Rows of x (M, K), sorted by group, times their group's w (G, N, K) transposed -> (M, N).
+
+    Args:
+      x: bfloat16/float32 (M, K), K a multiple of 128.
+      w: (G, N, K) in x's dtype, or float8_e4m3fn with w_scale float32 (G, ceil(N/128), K/128).
+      group_sizes: int32 (G,): rows of each group, in order; rows past their sum come out zero.
+      block_m, block_n: rows and output columns per program (powers of two >= 16; block_n <= 128
+        with an fp8 weight, so that one scale covers a tile's columns).
+    """
+    m, k = _check(x, w, group_sizes, w_scale, block_m, block_n)
+    groups, n = w.shape[0], w.shape[1]
+    interpret = use_interpret()
+    if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, w, group_sizes):
+        return grouped_gemm_ref(x, w, group_sizes, w_scale, out_dtype)
+    schedule, max_tiles = tile_schedule(group_sizes.astype(jnp.int32), m, block_m)
+    vma = vma_union(x, w, group_sizes)
+    operands = [schedule, jnp.pad(x, ((0, block_m), (0, 0))), w] + ([w_scale] if w_scale is not None else [])
+    operands = match_vma(vma, *operands)
+    zeros = match_vma(vma, jnp.zeros((m + block_m, n), out_dtype))[0]
+    kernel = functools.partial(_kernel, n=n, k=k, block_m=block_m, block_n=block_n, fp8=w_scale is not None)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=result((m + block_m, n), out_dtype, vma),
+        grid=(max_tiles, cdiv(n, block_n)),
+        input_output_aliases={len(operands): 0},  # the zeroed output: rows no tile owns stay zero
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="grouped_gemm",
+    )(*operands, zeros)
+    return out[:m]
+
+
+def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, int]:
+    """int32 (4, T): per tile its group, first row, the group's end row, and 1 if the tile exists.
+
+    T = ceil(M / block_m) + min(G, M) bounds the tiles of any split of M rows into G groups.
+    """
+    groups = group_sizes.shape[0]
+    max_tiles = cdiv(m, block_m) + min(groups, m)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    tiles = (group_sizes + block_m - 1) // block_m
+    tile_ends = jnp.cumsum(tiles)
+    t = jnp.arange(max_tiles, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), groups - 1).astype(jnp.int32)
+    first_tile = tile_ends[group] - tiles[group]
+    row = starts[group] + (t - first_tile) * block_m
+    exists = (t < tile_ends[-1]).astype(jnp.int32)
+    return jnp.stack([group, row, ends[group], exists]).astype(jnp.int32), max_tiles
+
+
+def _kernel(sched_ref, x_ref, w_ref, *refs, n, k, block_m, block_n, fp8):
+    scale_ref = refs[0] if fp8 else None
+    o_ref = refs[-1]
+    tile, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(sched_ref[3, tile] > 0)
+    def _():
+        group, row, end = sched_ref[0, tile], sched_ref[1, tile], sched_ref[2, tile]
+        row_ok = (row + jnp.arange(block_m)) < end
+        col_ok = (j * block_n + jnp.arange(block_n)) < n
+        rows, cols = pl.ds(row, block_m), pl.ds(j * block_n, block_n)
+
+        def body(kb, acc):
+            ks = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
+            xb = plgpu.load(x_ref.at[rows, ks], mask=row_ok[:, None], other=0)
+            wb = plgpu.load(w_ref.at[group, cols, ks], mask=col_ok[:, None], other=0)
+            if fp8:
+                scale = scale_ref[group, (j * block_n) // BLOCK, kb]
+                wb = (wb.astype(jnp.float32) * scale).astype(xb.dtype)
+            return acc + jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, k // BLOCK, body, jnp.zeros((block_m, block_n), jnp.float32))
+        plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _check(x, w, group_sizes, w_scale, block_m, block_n) -> tuple[int, int]:
+    if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
+        fail(_FN, f"expects x (M, K), w (G, N, K), group_sizes (G,); got {x.shape}, {w.shape}, {group_sizes.shape}")
+    m, k = x.shape
+    groups, n, kw = w.shape
+    if kw != k:
+        fail(_FN, f"w has shape {tuple(w.shape)}, expected (G, N, {k}) with K from x")
+    if k % BLOCK:
+        fail(_FN, f"x has last dim K={k}, which must be a multiple of {BLOCK}")
+    if group_sizes.shape[0] != groups:
+        fail(_FN, f"group_sizes has {group_sizes.shape[0]} entries for {groups} groups in w")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        fail(_FN, f"group_sizes has dtype {group_sizes.dtype}, expected an integer type")
+    if x.dtype not in (jnp.bfloat16, jnp.float32, jnp.float16):
+        fail(_FN, f"x has dtype {x.dtype}, expected bfloat16, float16 or float32")
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if value < 16 or value & (value - 1):
+            fail(_FN, f"{name}={value} must be a power of two >= 16")
+    if w_scale is None:
+        if w.dtype != x.dtype:
+            fail(_FN, f"w has dtype {w.dtype}; without w_scale it must match x ({x.dtype})")
+    else:
+        if w.dtype != FP8:
+            fail(_FN, f"w has dtype {w.dtype}; with w_scale it must be float8_e4m3fn")
+        want = (groups, cdiv(n, BLOCK), k // BLOCK)
+        if tuple(w_scale.shape) != want or w_scale.dtype != jnp.float32:
+            fail(_FN, f"w_scale has shape {tuple(w_scale.shape)} {w_scale.dtype}, expected float32 {want}")
+        if block_n > BLOCK or BLOCK % block_n:
+            fail(_FN, f"block_n={block_n} must divide {BLOCK} with an fp8 weight")
+    return m, k
