@@ -1,0 +1,107 @@
+"""Bytes per device for a DeepSeek config split over N devices (TP + EP as dsv3-jax splits it):
+weights, fp8 block scales, the absorbed-MLA cache and the largest activations of a prefill chunk.
+
+    python scripts/memory_plan.py --config config_671B.json --devices 8 --batch 32 --seq-len 4096
+
+Counts come from the model's own parameter shapes and partition specs (an abstract model, no
+memory is allocated), so the plan follows the code.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dsv3_jax.cache import cache_shapes  # noqa: E402
+from dsv3_jax.config import ModelArgs  # noqa: E402
+from dsv3_jax.model import Transformer  # noqa: E402
+
+GIB = 2**30
+
+
+def parameter_bytes_per_device(args: ModelArgs, devices: int, dtype) -> dict[str, float]:
+    """Bytes of every parameter group on one device: split axes divided by the device count."""
+    abstract = nnx.eval_shape(lambda: Transformer(args, dtype=dtype))
+    _, state = nnx.split(abstract)
+    groups: dict[str, float] = {}
+    for path, variable in nnx.to_flat_state(state):
+        value = variable.get_value()
+        partition = variable.get_metadata()["partition"]
+        shape = [d // devices if axis else d for d, axis in zip(value.shape, partition)]
+        nbytes = math.prod(shape) * np.dtype(value.dtype).itemsize
+        names = [str(p) for p in path]
+        if names[-1] == "scale":
+            key = "fp8 block scales"
+        elif "experts" in names and "shared_experts" not in names:
+            key = "routed experts"
+        elif names[0] in ("embed", "head"):
+            key = "embedding + head"
+        elif "attn" in names:
+            key = "attention"
+        elif "shared_experts" in names:
+            key = "shared experts"
+        elif names[0] == "dense_layers" and "ffn" in names:
+            key = "dense MLP"
+        else:
+            key = "norms + gate"
+        groups[key] = groups.get(key, 0.0) + nbytes
+    return groups
+
+
+def activation_bytes(args: ModelArgs, devices: int, batch: int, chunk: int, kv_len: int, act_bytes: int) -> dict:
+    """The largest live tensors of one prefill chunk of (batch, chunk) tokens on one device."""
+    tokens = batch * chunk
+    heads = args.n_heads // devices
+    return {
+        "hidden state (x2: residual + branch)": 2 * tokens * args.dim * act_bytes,
+        "attention scores (float32)": batch * chunk * heads * kv_len * 4,
+        "q in latent space": tokens * heads * args.kv_lora_rank * act_bytes,
+        "routed rows + expert hidden (x3)": tokens * args.n_activated_experts * (args.dim + 3 * args.moe_inter_dim) * act_bytes,
+        "logits (float32, full vocab)": batch * args.vocab_size * 4,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--prefill-chunk", type=int, default=4096, help="tokens per row per prefill call")
+    parser.add_argument("--device-gib", type=float, default=143771 / 1024, help="memory of one device (H200: 143771 MiB)")
+    parser.add_argument("--out", help="write the plan as markdown here")
+    opts = parser.parse_args()
+
+    args = ModelArgs.from_reference_json(opts.config).replace(max_batch_size=opts.batch, max_seq_len=opts.seq_len)
+    args = args.replace(gate_bias=args.score_func == "sigmoid")
+    dtype = jax.numpy.bfloat16
+    weights = parameter_bytes_per_device(args, opts.devices, dtype)
+    cache = {name: math.prod(shape) * 2 for name, shape in cache_shapes(args, "absorb", opts.batch, opts.seq_len).items()}
+    acts = activation_bytes(args, opts.devices, opts.batch, opts.prefill_chunk, opts.seq_len, 2)
+    total = sum(weights.values()) + sum(cache.values()) + sum(acts.values())
+    lines = [f"# Memory plan: {Path(opts.config).name}, {args.dtype} weights, {opts.devices} devices, "
+             f"batch {opts.batch} x {opts.seq_len}", "",
+             f"Per device (TP over heads/hidden/vocab, EP over {args.n_routed_experts} experts: "
+             f"{args.n_routed_experts // opts.devices} each); absorbed-MLA cache replicated as in the reference.", "",
+             "| item | GiB per device |", "|---|---|"]
+    for name, value in {**weights, **{f"cache {k}": v for k, v in cache.items()}, **acts}.items():
+        lines.append(f"| {name} | {value / GIB:.2f} |")
+    lines += [f"| **total (all activations live at once: an upper bound)** | **{total / GIB:.1f}** |",
+              f"| device memory | {opts.device_gib:.1f} |", "",
+              f"Headroom: {opts.device_gib - total / GIB:.1f} GiB. A prefill chunk of {opts.prefill_chunk} tokens "
+              f"per row for all {opts.batch} rows needs the attention-score buffer above; XLA frees "
+              "activations layer by layer, so the live set is one layer's, as counted."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if opts.out:
+        Path(opts.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
