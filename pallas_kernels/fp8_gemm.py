@@ -67,8 +67,8 @@ def default_config(m: int, n: int, k: int, sms: int | None = None) -> GemmConfig
         cfg = GemmConfig(bm=64 if m > 32 else 32, bn=64, num_warps=4, num_stages=4)
     elif m <= 512:
         cfg = GemmConfig(bm=64, bn=128, num_warps=4, num_stages=4, mma="f16")
-    else:
-        return GemmConfig(bm=128, bn=128, num_warps=8, num_stages=3, mma="f16")
+    else:  # on an H200 every large-M tiling tried (fp8 or f16 operands) ran at 265-330 TFLOP/s
+        return GemmConfig(bm=128, bn=128, num_warps=8, num_stages=3, mma="fp8")
     return dataclasses.replace(cfg, split=auto_split(m, n, k, cfg.bm, cfg.bn, sms))
 
 

@@ -50,8 +50,9 @@ def weight_dequant(w: jax.Array, s: jax.Array, block_size: int = BLOCK, out_dtyp
 
 
 def default_tile(m: int, n: int) -> tuple[int, int, int]:
-    """(rows, cols, num_warps) per program: a 64x512 tile (32 KiB of fp8 in, 64 KiB out)."""
-    return pow2_at_most(m, 64), max(BLOCK, pow2_at_most(n, 512)), 4
+    """(rows, cols, num_warps) per program: a 16x1024 tile (16 KiB of fp8 in, 32 KiB out), the
+    fastest of those tried on an H200 (18432x7168: 114 us, 3.46 TB/s; 64x512: 122 us)."""
+    return pow2_at_most(m, 16), max(BLOCK, pow2_at_most(n, 1024)), 4
 
 
 def _weight_dequant(w, s, out_dtype, interpret: bool, tile: tuple[int, int, int] | None = None):

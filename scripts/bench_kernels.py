@@ -102,10 +102,12 @@ def weight(key, n, k):
 # ---------------------------------------------------------------- ceilings
 def ceilings(sz: Sizes) -> dict:
     key = jax.random.PRNGKey(0)
-    x = rand(key, (sz.copy_elems,), jnp.bfloat16)  # 1 GiB
-    t = time_op(lambda v: v + 1, lambda i: (x,) if i == 0 else (x + i,), 2 * x.nbytes, 2 * x.nbytes / HBM, 2)
-    copy = 2 * x.nbytes / t["s"]
-    del x
+    copy = 0.0
+    for dt in (jnp.bfloat16, jnp.float32):  # 1 and 2 GiB; the faster elementwise pass counts
+        x = rand(key, (sz.copy_elems,), dt)
+        t = time_op(lambda v: v * 2, lambda i: (x,) if i == 0 else (x + i,), 2 * x.nbytes, 2 * x.nbytes / HBM, 2)
+        copy = max(copy, 2 * x.nbytes / t["s"])
+        del x
     n = sz.peak_n
     a, b = rand(key, (n, n), jnp.bfloat16), rand(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
     pairs = lambda p, q: lambda i: (p, q) if i == 0 else (q, p)  # noqa: E731  (distinct sets)
@@ -127,7 +129,11 @@ def xla_bf16(a, b):
 
 
 # ---------------------------------------------------------------- act_quant / weight_dequant
-def bench_act_quant(sz: Sizes, sweep: bool) -> dict:
+def tiles_arg(text: str) -> list[tuple[int, int, int]] | None:
+    return [tuple(int(v) for v in t.split("x")) for t in text.split(",")] if text else None
+
+
+def bench_act_quant(sz: Sizes, sweep: bool, sweep_tiles=None) -> dict:
     m, k = sz.act
     byts = m * k * 3 + m * k // 128 * 4
     key = jax.random.PRNGKey(2)
@@ -135,7 +141,7 @@ def bench_act_quant(sz: Sizes, sweep: bool) -> dict:
     res = {"shape": [m, k], "bytes": byts, "floor_us": byts / HBM * 1e6}
     tiles = [None]
     if sweep:
-        tiles += [(8, 8, 4), (32, 8, 8), (4, 8, 4), (16, 4, 4), (8, 4, 2), (64, 1, 4), (2, 8, 2)]
+        tiles += sweep_tiles or [(8, 8, 4), (32, 8, 8), (4, 8, 4), (16, 4, 4), (8, 4, 2), (64, 1, 4), (2, 8, 2)]
     rows = []
     for tile in tiles:
         def fn(x, tile=tile):
@@ -159,7 +165,7 @@ def bench_act_quant(sz: Sizes, sweep: bool) -> dict:
     return res
 
 
-def bench_weight_dequant(sz: Sizes, sweep: bool) -> dict:
+def bench_weight_dequant(sz: Sizes, sweep: bool, sweep_tiles=None) -> dict:
     m, n = sz.dequant
     byts = m * n * 3 + (m // 128) * (n // 128) * 4
     key = jax.random.PRNGKey(3)
@@ -167,7 +173,8 @@ def bench_weight_dequant(sz: Sizes, sweep: bool) -> dict:
     res = {"shape": [m, n], "bytes": byts, "floor_us": byts / HBM * 1e6}
     tiles = [None]
     if sweep:
-        tiles += [(32, 512, 4), (128, 256, 8), (64, 128, 4), (128, 128, 4), (32, 1024, 8), (128, 512, 8), (16, 1024, 4)]
+        tiles += sweep_tiles or [(32, 512, 4), (128, 256, 8), (64, 128, 4), (128, 128, 4), (32, 1024, 8),
+                                 (128, 512, 8), (16, 1024, 4), (64, 512, 4)]
     rows = []
     for tile in tiles:
         try:
@@ -190,8 +197,11 @@ def candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     """Tilings tried by --sweep beside the default, most promising first."""
     sp = lambda bm, bn: GM.auto_split(m, n, k, bm, bn)  # noqa: E731
     if m <= 16:
+        s64 = sp(16, 64)
+        halves = [d for d in (s64 // 2, s64 * 2) if d >= 1 and (k // 128) % d == 0 and k // 128 // d >= 4]
         out = [GemmConfig(16, 32, sp(16, 32), 4, 4), GemmConfig(16, 128, sp(16, 128), 4, 4),
-               GemmConfig(16, 64, sp(16, 64), 4, 6), GemmConfig(16, 64, sp(16, 64), 2, 4)]
+               GemmConfig(16, 64, s64, 4, 6), GemmConfig(16, 64, s64, 2, 4)]
+        out += [GemmConfig(16, 64, d, 4, 4) for d in halves]
     elif m <= 64:
         out = [GemmConfig(64, 64, sp(64, 64), 4, 4, "f16"), GemmConfig(64, 32, sp(64, 32), 4, 4),
                GemmConfig(64, 128, sp(64, 128), 4, 4), GemmConfig(64, 128, sp(64, 128), 4, 3, "f16")]
@@ -264,36 +274,41 @@ def bench_gemm(sz: Sizes, m: int, n: int, k: int, ceil: dict, sweep: bool, deadl
 
 # ---------------------------------------------------------------- PTX inspection
 INSPECT = r"""
-import os, sys, glob, json
+import sys, json
 sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp
 import pallas_kernels
 GM = sys.modules["pallas_kernels.fp8_gemm"]
 m, n, k = 4096, 2048, 7168
 a = jnp.zeros((m, k), jnp.float8_e4m3fn); s = jnp.ones((m, k // 128)); b = jnp.zeros((n, k), jnp.float8_e4m3fn); bs = jnp.ones((n // 128, k // 128))
-cfg = GM.GemmConfig(**json.loads(sys.argv[2]))
-jax.jit(lambda *x: GM.fp8_gemm_with_config(*x, cfg)).lower(a, s, b, bs).compile()
+for i, c in enumerate(json.loads(sys.argv[2])):
+    cfg = GM.GemmConfig(**c)
+    f = lambda *x, cfg=cfg: GM.fp8_gemm_with_config(*x, cfg)
+    f.__name__ = f"inspect_cfg{i}"
+    jax.jit(f).lower(a, s, b, bs).compile()
 """
 
 
 def inspect_ptx(configs: list[GemmConfig]) -> list[dict]:
     """Compile one GEMM per config in a subprocess with XLA dumps on and count the tensor-core
-    instructions in the PTX: wgmma (Hopper's warpgroup MMA) against mma.sync (the older path)."""
+    instructions in the PTX XLA generated: wgmma (Hopper's warpgroup MMA) against mma.sync."""
+    d = Path(f"/tmp/bench_kernels_dump_{os.getpid()}")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={d}", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    try:
+        subprocess.run([sys.executable, "-c", INSPECT, str(ROOT), json.dumps([dataclasses.asdict(c) for c in configs])],
+                       env=env, check=True, timeout=120, capture_output=True)
+    except Exception as e:
+        return [{"error": str(e)[:300]}]
     out = []
-    for cfg in configs:
-        d = Path(f"/tmp/bench_kernels_dump_{os.getpid()}_{len(out)}")
-        env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={d} --xla_dump_hlo_pass_re=NONE")
-        try:
-            subprocess.run([sys.executable, "-c", INSPECT, str(ROOT), json.dumps(dataclasses.asdict(cfg))],
-                           env=env, check=True, timeout=120, capture_output=True)
-            files = [p for p in d.rglob("*") if p.is_file()]
-            hits = {p.name for p in files if "wgmma" in p.read_text(errors="ignore") or "mma.sync" in p.read_text(errors="ignore")}
-            ptx = "".join(p.read_text(errors="ignore") for p in files if p.suffix == ".ptx")
-            counts = {pat: ptx.count(pat) for pat in ("wgmma.mma_async", "mma.sync", "cp.async.bulk.tensor", "cp.async.cg")}
-            out.append({"config": dataclasses.asdict(cfg), "ptx_bytes": len(ptx), "files": len(files),
-                        "files_with_mma": sorted(hits)[:8], **counts})
-        except Exception as e:
-            out.append({"config": dataclasses.asdict(cfg), "error": str(e)[:300]})
+    for i, cfg in enumerate(configs):
+        files = [p for p in d.rglob(f"*inspect_cfg{i}*") if p.is_file()]
+        text = {p.name: p.read_text(errors="ignore") for p in files}
+        ptx = "".join(t for name, t in text.items() if name.endswith(".ptx"))
+        pats = ("wgmma.mma_async", "mma.sync", "cp.async.bulk.tensor", "cp.async.cg")
+        counts = {pat: ptx.count(pat) for pat in pats}
+        everywhere = {pat: sum(t.count(pat) for t in text.values()) for pat in pats}
+        out.append({"config": dataclasses.asdict(cfg), "ptx_files": [n for n in text if n.endswith(".ptx")],
+                    "in_any_dump_file": everywhere, "files": sorted(text)[:40], **counts})
         log("inspect", out[-1])
     return out
 
@@ -346,7 +361,7 @@ def markdown(rep: dict) -> str:
     if rep.get("inspect"):
         L += ["", "Tensor-core instructions in the PTX XLA compiled (M=4096, N=2048, K=7168):", ""]
         for r in rep["inspect"]:
-            L.append(f"- {r['config']}: " + (r.get("error") or
+            L.append(f"- {r.get('config')}: " + (r.get("error") or
                      f"wgmma.mma_async {r['wgmma.mma_async']}, mma.sync {r['mma.sync']}, "
                      f"cp.async.bulk.tensor {r['cp.async.bulk.tensor']}, cp.async.cg {r['cp.async.cg']}"))
     return "\n".join(L) + "\n"
@@ -360,6 +375,12 @@ def main():
     ap.add_argument("--inspect", action="store_true", help="count wgmma / mma.sync in XLA's PTX")
     ap.add_argument("--only", default="", help="comma list of parts: act,dequant,gemm")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU dry run of the script")
+    ap.add_argument("--m", default="", help="comma list of M to run (default: all)")
+    ap.add_argument("--sweep-only", default="", help="comma list of MxNxK (or M) to sweep; default: all")
+    ap.add_argument("--act-tiles", default="", help="act_quant tiles to sweep, e.g. 4x8x4,2x8x2")
+    ap.add_argument("--dequant-tiles", default="", help="weight_dequant tiles to sweep, e.g. 16x1024x4")
+    ap.add_argument("--merge", default="", help="earlier JSON: GEMM rows this run skips are copied "
+                    "from it (marked with their run's date)")
     args = ap.parse_args()
     t_start = time.time()
     deadline = t_start + args.budget_s
@@ -370,15 +391,17 @@ def main():
            "method": "median over 9 repeats of wall time / (calls x R distinct input sets) of one jitted "
                      "program; R sized to exceed 3x L2 and 0.3 ms per call"}
     log(rep)
+    if args.inspect:  # first: a second process compiles while this one has not filled the GPU yet
+        rep["inspect"] = inspect_ptx([GemmConfig(128, 128, 1, 8, 3, "f16"), GemmConfig(128, 128, 1, 8, 3, "fp8")])
     global HBM
     sz = SMOKE if args.smoke else Sizes()
     rep["ceilings"] = ceilings(sz)
     HBM = rep["ceilings"]["copy_Bps"]
     log("ceilings", rep["ceilings"])
     if "act" in parts:
-        rep["act_quant"] = bench_act_quant(sz, args.sweep)
+        rep["act_quant"] = bench_act_quant(sz, args.sweep, tiles_arg(args.act_tiles))
     if "dequant" in parts:
-        rep["weight_dequant"] = bench_weight_dequant(sz, args.sweep)
+        rep["weight_dequant"] = bench_weight_dequant(sz, args.sweep, tiles_arg(args.dequant_tiles))
     log(f"[{time.time() - t_start:.0f} s] act_quant / weight_dequant done")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -392,12 +415,19 @@ def main():
         (out / f"{stem}.md").write_text(markdown(rep))
 
     if "gemm" in parts:
+        only_m = {int(v) for v in args.m.split(",") if v}
+        sweep_only = set(args.sweep_only.split(",")) - {""}
+        prev = json.loads(Path(args.merge).read_text()) if args.merge else {"gemm": []}
         for m in sz.gemm_m:
             for n, k in sz.gemm_nk:
-                rep["gemm"].append(bench_gemm(sz, m, n, k, rep["ceilings"], args.sweep, deadline))
+                if only_m and m not in only_m:
+                    old = [r for r in prev["gemm"] if (r["M"], r["N"], r["K"]) == (m, n, k)]
+                    if old:
+                        rep["gemm"].append(dict(old[0], from_run=prev.get("date")))
+                    continue
+                sweep = args.sweep and (not sweep_only or f"{m}x{n}x{k}" in sweep_only or str(m) in sweep_only)
+                rep["gemm"].append(bench_gemm(sz, m, n, k, rep["ceilings"], sweep, deadline))
                 save()
-    if args.inspect:
-        rep["inspect"] = inspect_ptx([GemmConfig(128, 128, 1, 8, 3, "f16"), GemmConfig(128, 128, 1, 8, 3, "fp8")])
     save()
     log(markdown(rep))
 
