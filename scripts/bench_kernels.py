@@ -418,7 +418,8 @@ def main():
         only_m = {int(v) for v in args.m.split(",") if v}
         sweep_only = set(args.sweep_only.split(",")) - {""}
         prev = json.loads(Path(args.merge).read_text()) if args.merge else {"gemm": []}
-        for m in sz.gemm_m:
+        ms = [int(v) for v in args.m.split(",") if v]  # measured first, in the order given
+        for m in ms + [v for v in sz.gemm_m if v not in ms]:
             for n, k in sz.gemm_nk:
                 if only_m and m not in only_m:
                     old = [r for r in prev["gemm"] if (r["M"], r["N"], r["K"]) == (m, n, k)]
