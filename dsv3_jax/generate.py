@@ -75,14 +75,15 @@ class Plan:
 
     @classmethod
     def make(cls, lengths: Sequence[int], max_new_tokens: int, max_seq_len: int, *, top_k: int = 0,
-             top_p: float = 1.0) -> "Plan":
+             top_p: float = 1.0, window: int = 0) -> "Plan":
         """The reference's budget: total_len = min(max_seq_len, max_new_tokens + longest prompt), and
-        row i may emit min(max_new_tokens, total_len - len_i) tokens."""
+        row i may emit min(max_new_tokens, total_len - len_i) tokens. The attention window is the
+        power of two (>= 64) covering total_len and at least `window`, capped at max_seq_len."""
         longest = max(lengths)
         total_len = min(max_seq_len, max_new_tokens + longest)
         budgets = tuple(max(0, min(max_new_tokens, total_len - n)) for n in lengths)
         bucket = min(max_seq_len, max(MIN_PREFILL_BUCKET, 1 << (longest - 1).bit_length()))
-        kv_len = cache_window(max(total_len, bucket), max_seq_len)
+        kv_len = cache_window(max(total_len, bucket, window), max_seq_len)
         return cls(tuple(lengths), budgets, bucket, kv_len, top_k, top_p)
 
     @property
@@ -140,9 +141,13 @@ def _check_prompts(model, prompt_tokens) -> list[list[int]]:
     return prompts
 
 
-def prefill(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, *, eos_id: int = -1,
-            temperature: float = 1.0, seed: int = 0, top_k: int = 0, top_p: float = 1.0) -> tuple[DecodeState, Plan]:
-    """Prefill `model`'s cache with the prompts and sample the first tokens: (state, plan) for `decode`."""
+def prefill(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, *, eos_id: int | None = None,
+            temperature: float = 1.0, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+            window: int = 0) -> tuple[DecodeState, Plan]:
+    """Prefill `model`'s cache with the prompts and sample the first tokens: (state, plan) for `decode`.
+
+    window: a minimum attention window for the whole call (see `Plan.make`); a caller that passes
+    the same window every time (the chat passes max_seq_len) reuses one compiled decode step."""
     prompts = _check_prompts(model, prompt_tokens)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
@@ -155,13 +160,13 @@ def prefill(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, 
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must lie in [0, 2**32), got {seed}")
     plan = Plan.make([len(p) for p in prompts], max_new_tokens, model.args.max_seq_len, top_k=top_k,
-                     top_p=float(top_p))
+                     top_p=float(top_p), window=window)
     tokens = np.zeros((len(prompts), plan.bucket), np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = prompt
     state, model.cache = prefill_step(
         model.state, model.cache, tokens, np.asarray(plan.lengths, np.int32), np.asarray(plan.budgets, np.int32),
-        np.uint32(seed), np.float32(temperature), np.int32(eos_id),
+        np.uint32(seed), np.float32(temperature), np.int32(-1 if eos_id is None else eos_id),
         step=model.step, kv_len=plan.kv_len, top_k=plan.top_k, top_p=plan.top_p)
     return state, plan
 
@@ -173,19 +178,20 @@ def decode(model, state: DecodeState, plan: Plan) -> DecodeState:
     return state
 
 
-def generate(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int,
-             temperature: float = 1.0, seed: int = 0, *, top_k: int = 0, top_p: float = 1.0,
+def generate(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | None,
+             temperature: float = 1.0, seed: int = 0, *, top_k: int = 0, top_p: float = 1.0, window: int = 0,
              on_tokens: Callable[[list[list[int]]], None] | None = None) -> list[list[int]]:
     """Complete every prompt; the reference's contract with per-row positions.
 
     Row i emits at most min(max_new_tokens, total_len - len_i) tokens (total_len =
     min(max_seq_len, max_new_tokens + longest prompt)); its completion stops before its first
-    `eos_id`; the loop ends when every row is finished. `on_tokens(completions)` is called after
-    every step with the completions so far (for streaming). The next step is dispatched before the
-    newest tokens are fetched, so the one small transfer per step overlaps the device's work.
+    `eos_id` (None: no eos); the loop ends when every row is finished. `on_tokens(completions)`
+    is called after every step with the completions so far (for streaming). The next step is
+    dispatched before the newest tokens are fetched, so the one small transfer per step overlaps
+    the device's work.
     """
     state, plan = prefill(model, prompt_tokens, max_new_tokens, eos_id=eos_id, temperature=temperature, seed=seed,
-                          top_k=top_k, top_p=top_p)
+                          top_k=top_k, top_p=top_p, window=window)
     completions: list[list[int]] = [[] for _ in plan.lengths]
     active = [budget > 0 for budget in plan.budgets]
     for index in range(plan.max_new_tokens):
@@ -207,7 +213,9 @@ def generate(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int,
     return completions
 
 
-def warm_up(model, lengths: Sequence[int], max_new_tokens: int, *, top_k: int = 0, top_p: float = 1.0) -> None:
+def warm_up(model, lengths: Sequence[int], max_new_tokens: int, *, top_k: int = 0, top_p: float = 1.0,
+            window: int = 0) -> None:
     """Compile the prefill and decode steps that prompts of these lengths will use (one step each)."""
-    state, plan = prefill(model, [[0] * n for n in lengths], max_new_tokens, top_k=top_k, top_p=top_p)
+    state, plan = prefill(model, [[0] * n for n in lengths], max_new_tokens, top_k=top_k, top_p=top_p,
+                          window=window)
     decode(model, state, plan).token.block_until_ready()

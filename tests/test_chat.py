@@ -1,0 +1,122 @@
+"""The chat CLI, driven through stdin in a subprocess, against the same turns computed here through
+the Python API (chat template -> generate -> decode); and the embedded demo checkpoint."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dsv3_jax
+from dsv3_jax.generate import generate
+from dsv3_jax.safetensors_io import TensorIndex
+from dsv3_jax.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = Path(dsv3_jax.__file__).parent / "assets" / "tiny"
+ANSWER = re.compile(r"(?:>>> )+(.*?)\n\[(\d+) tokens in [\d.]+ s, [\d.]+ tokens/s\]\n", re.S)
+
+
+def run_chat(*flags: str, stdin: str = "", timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsv3_jax.chat", *flags], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env=dict(os.environ))
+
+
+def expected_turns(model, tokenizer, turns: list[str], *, temperature: float, max_new_tokens: int = 200,
+                   seed: int = 0) -> list[str]:
+    """The interactive chat's answers, replayed through the API: history through the chat template,
+    turn i sampled with seed + i over the session's fixed window (max_seq_len)."""
+    history, answers = [], []
+    for turn in turns:
+        if turn == "/clear":
+            history = []
+            continue
+        history.append({"role": "user", "content": turn})
+        ids = tokenizer.apply_chat_template(history)
+        completion = generate(model, [ids], max_new_tokens, tokenizer.eos_id, temperature, seed + len(answers),
+                              window=model.args.max_seq_len)[0]
+        answers.append(tokenizer.decode(completion))
+        history.append({"role": "assistant", "content": answers[-1]})
+    return answers
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The embedded model as the CLI loads it by default (bf16, 4096 positions), on one device."""
+    return dsv3_jax.load(TINY, max_batch_size=1, max_seq_len=4096), Tokenizer.from_dir(TINY)
+
+
+def test_interactive_demo_streams_answers_with_history_and_clear(demo):
+    turns = ["Hello! Tell me about the weather.", "What is 3 plus 4?", "/clear", "Who are you?"]
+    result = run_chat("--interactive", "--num-devices", "1", stdin="\n".join(turns) + "\n")
+    assert result.returncode == 0, result.stderr  # end of input exits cleanly
+    answers = ANSWER.findall(result.stdout)
+    model, tokenizer = demo
+    expected = expected_turns(model, tokenizer, turns, temperature=0.2)
+    assert [a for a, _ in answers] == expected
+    assert all(int(n) > 0 for _, n in answers)
+    assert result.stdout.endswith(">>> \n")
+    assert result.stdout.count(">>> ") == len(turns) + 1
+
+
+def test_exit_command_ends_the_session():
+    result = run_chat("--interactive", "--num-devices", "1", "--max-new-tokens", "8",
+                      stdin="Hi\n/exit\nThis is never answered\n")
+    assert result.returncode == 0, result.stderr
+    assert len(ANSWER.findall(result.stdout)) == 1
+
+
+def test_batch_mode_prints_prompt_completion_pairs(tmp_path):
+    prompts = ["What is 3 plus 4?", "Describe a red lamp.", "Hello, my name is Ada."]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n\n")
+    result = run_chat("--input-file", str(tmp_path / "prompts.txt"), "--num-devices", "1", "--max-new-tokens", "32")
+    assert result.returncode == 0, result.stderr
+    model = dsv3_jax.load(TINY, max_batch_size=3, max_seq_len=4096)
+    tokenizer = Tokenizer.from_dir(TINY)
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    completions = model.generate(ids, 32, tokenizer.eos_id, temperature=0.2, seed=0)
+    expected = "".join(f"Prompt: {p}\nCompletion: {tokenizer.decode(c)}\n\n" for p, c in zip(prompts, completions))
+    assert result.stdout == expected
+
+
+def test_bad_invocations_fail_in_one_line(tmp_path):
+    result = run_chat("--max-new-tokens", "5")
+    assert result.returncode == 2 and "one of the arguments --input-file --interactive is required" in result.stderr
+    result = run_chat("--interactive", "--ckpt-path", str(tmp_path / "nowhere"))
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0 and "dsv3-chat: error:" in result.stderr
+    (tmp_path / "empty.txt").write_text("\n")
+    result = run_chat("--input-file", str(tmp_path / "empty.txt"))
+    assert result.returncode == 1 and "holds no prompts" in result.stderr
+
+
+def test_installed_entry_point():
+    script = Path(sys.executable).parent / "dsv3-chat"
+    if not script.exists():
+        pytest.skip("dsv3-chat is not installed in this environment")
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    for flag in ("--ckpt-path", "--config", "--input-file", "--interactive", "--max-new-tokens", "--temperature",
+                 "--num-devices", "--dtype", "--gemm-impl", "--attn-impl", "--max-seq-len", "--coordinator-address"):
+        assert flag in result.stdout
+
+
+def test_embedded_assets_are_small_and_regenerate_deterministically(tmp_path):
+    size = sum(f.stat().st_size for f in TINY.iterdir())
+    assert size < 3 * 2**20
+    out = tmp_path / "tiny"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_assets.py"), "--out", str(out)], check=True,
+                   timeout=120, cwd=ROOT)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in TINY.iterdir())
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (TINY / name).read_bytes(), name
+    shipped, fresh = TensorIndex(TINY), TensorIndex(out)
+    assert sorted(shipped.names()) == sorted(fresh.names())
+    for name in shipped.names():  # the embedding comes from an SVD: allow one bf16 ulp across LAPACKs
+        a, b = (np.asarray(i.tensor(name), np.float32) for i in (shipped, fresh))
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-6, err_msg=name)
+    config = json.loads((TINY / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["n_routed_experts"] > 1 and config["q_lora_rank"] > 0

@@ -1,0 +1,54 @@
+"""Multi-process chat: 2 CPU processes x 2 host devices under jax.distributed (gloo) form one 4-device
+mesh; only process 0 reads stdin and prints, and its greedy answers equal those of one process
+with 4 devices."""
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import dsv3_jax
+from dsv3_jax.tokenizer import Tokenizer
+from test_chat import ANSWER, ROOT, TINY, expected_turns
+
+# gloo reports each connection on stdout, from C++, sometimes in the middle of another line
+GLOO_NOISE = re.compile(r"\[Gloo\] Rank |\d+ is connected to \d+ peer ranks\. "
+                        r"Expected number of connected peer ranks is : \d+\n")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_chat_like_one(tmp_path):
+    turns = ["Hello! Tell me about the weather.", "What is 3 plus 4?", "/clear", "Tell me about music."]
+    address = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "dsv3_jax.chat", "--interactive", "--temperature", "0", "--max-new-tokens", "64"]
+    # process 0 gets its settings as flags, process 1 through the environment
+    leader = subprocess.Popen(command + ["--coordinator-address", address, "--num-processes", "2", "--process-id", "0"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=ROOT, env=env)
+    follower_env = dict(env, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")
+    follower = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=ROOT, env=follower_env)
+    try:
+        out0, err0 = leader.communicate("\n".join(turns) + "\n", timeout=150)
+        out1, err1 = follower.communicate(timeout=30)
+    finally:
+        for process in (leader, follower):
+            if process.poll() is None:
+                process.kill()
+    assert leader.returncode == 0, err0[-2000:]
+    assert follower.returncode == 0, err1[-2000:]
+    assert GLOO_NOISE.sub("", out1).strip() == ""  # only process 0 prints
+    answers = [a for a, _ in ANSWER.findall(GLOO_NOISE.sub("", out0))]
+
+    model = dsv3_jax.load(TINY, num_devices=4, max_batch_size=1, max_seq_len=4096)
+    assert model.mesh.devices.size == 4
+    expected = expected_turns(model, Tokenizer.from_dir(TINY), turns, temperature=0.0, max_new_tokens=64)
+    assert answers == expected and len(expected) == 3

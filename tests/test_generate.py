@@ -1,0 +1,179 @@
+"""Generation: the sampler against exact probabilities, greedy `generate` against Hugging Face's,
+the reference's generate contract, and the compiled steps (no recompilation, no buffer growth,
+the cache donated)."""
+import gc
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import dsv3_jax
+from dsv3_jax import generate as gen
+from hf_models import hf_model, save
+
+TINY = Path(dsv3_jax.__file__).parent / "assets" / "tiny"
+SAMPLES = 40_000
+
+
+def draw(logits: np.ndarray, temperature: float, **filters) -> np.ndarray:
+    """SAMPLES draws per row, one key each: (SAMPLES, rows)."""
+    keys = jax.random.split(jax.random.key(7), SAMPLES)
+    one = jax.jit(jax.vmap(lambda k: gen.sample(jnp.asarray(logits), jnp.float32(temperature), k, **filters)))
+    return np.asarray(one(keys))
+
+
+def frequencies(draws: np.ndarray, vocab: int) -> np.ndarray:
+    return np.stack([np.bincount(draws[:, r], minlength=vocab) / len(draws) for r in range(draws.shape[1])])
+
+
+def softmax64(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+LOGITS = np.array([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0],
+                   [0.1, 0.2, 0.3, 0.4, 0.5, 3.0]], np.float32)
+TOL = 4.0 / np.sqrt(SAMPLES)  # ~4 standard errors of a frequency
+
+
+def test_sampling_draws_from_softmax_over_temperature():
+    for temperature in (1.0, 0.5):
+        expected = softmax64(LOGITS / temperature)
+        got = frequencies(draw(LOGITS, temperature), LOGITS.shape[1])
+        assert np.abs(got - expected).max() < TOL, (temperature, got, expected)
+
+
+def test_temperature_zero_is_argmax():
+    assert (draw(LOGITS, 0.0)[:50] == LOGITS.argmax(-1)).all()
+
+
+def test_top_k_and_top_p_renormalise_the_kept_tokens():
+    probs = softmax64(LOGITS)
+    keep_k = np.zeros_like(probs, bool)
+    for row, order in enumerate(np.argsort(-probs, axis=-1)):
+        keep_k[row, order[:2]] = True
+    expected = np.where(keep_k, probs, 0)
+    got = frequencies(draw(LOGITS, 1.0, top_k=2), LOGITS.shape[1])
+    assert np.abs(got - expected / expected.sum(-1, keepdims=True)).max() < TOL
+
+    top_p = 0.8  # the smallest set, most likely first, whose mass reaches 0.8
+    keep_p = np.zeros_like(probs, bool)
+    for row, order in enumerate(np.argsort(-probs, axis=-1)):
+        mass = 0.0
+        for token in order:
+            keep_p[row, token] = True
+            mass += probs[row, token]
+            if mass >= top_p:
+                break
+    assert keep_p.sum(-1).tolist() == [3, 2]  # the filter really removes tokens in both rows
+    expected = np.where(keep_p, probs, 0)
+    got = frequencies(draw(LOGITS, 1.0, top_p=top_p), LOGITS.shape[1])
+    assert np.abs(got - expected / expected.sum(-1, keepdims=True)).max() < TOL
+
+
+# ------------------------------------------------------------------------------ greedy parity with HF
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    hf = hf_model("v3", seed=3)
+    directory = save(hf, tmp_path_factory.mktemp("hf_v3"))
+    return hf, dsv3_jax.load(directory, dtype="float32", max_batch_size=4, max_seq_len=128)
+
+
+def hf_greedy(hf, prompt: list[int], new_tokens: int, eos_id: int | None) -> list[int]:
+    """HF's greedy completion of one prompt (run alone: no padding), cut before its eos."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                          eos_token_id=eos_id, pad_token_id=0)
+    completion = out[0, len(prompt):].tolist()
+    return completion[:completion.index(eos_id)] if eos_id in completion else completion
+
+
+def test_greedy_generate_equals_hf_greedy(hf_pair):
+    hf, model = hf_pair
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (3, 11, 6, 21)]
+    expected = [hf_greedy(hf, p, 40, None) for p in prompts]
+    assert [len(e) for e in expected] == [40] * 4
+    assert model.generate(prompts, 40, eos_id=-1, temperature=0.0) == expected
+
+    # an eos that one row emits midway: that row stops before it, the others go on
+    eos = expected[1][9]
+    cut = [hf_greedy(hf, p, 40, eos) for p in prompts]
+    assert len(cut[1]) <= 9 and max(len(c) for c in cut) == 40
+    assert model.generate(prompts, 40, eos_id=eos, temperature=0.0) == cut
+
+
+# ------------------------------------------------------------------------------ contract and steps
+@pytest.fixture(scope="module")
+def tiny():
+    return dsv3_jax.load(TINY, dtype="float32", max_batch_size=3, max_seq_len=64)
+
+
+def greedy_by_forward(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy continuation through `Model.forward`: the prompt, then one token at a time (host argmax)."""
+    logits = model.forward(np.array([prompt]))
+    out = []
+    for index in range(new_tokens):
+        out.append(int(np.argmax(np.asarray(logits)[0])))
+        logits = model.forward(np.array([[out[-1]]]), start_pos=len(prompt) + index)
+    return out
+
+
+def test_budgets_follow_the_reference_near_max_seq_len(tiny):
+    """total_len = min(max_seq_len, max_new + longest); row i gets min(max_new, total_len - len_i)."""
+    rng = np.random.default_rng(1)
+    lengths, max_new = (5, 40, 64), 30  # total_len = min(64, 94) = 64 -> budgets 30, 24, 0
+    prompts = [rng.integers(4, 1024, n).tolist() for n in lengths]
+    out = tiny.generate(prompts, max_new, eos_id=-1, temperature=0.0)
+    assert [len(c) for c in out] == [30, 24, 0]
+    assert out[0] == greedy_by_forward(tiny, prompts[0], 30)
+    assert out[1] == greedy_by_forward(tiny, prompts[1], 24)
+
+
+def test_bad_prompts_are_clear_errors(tiny):
+    with pytest.raises(ValueError, match="prompt 1 has 65 tokens, more than max_seq_len=64"):
+        tiny.generate([[1, 2], [3] * 65], 4, eos_id=1)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        tiny.generate([[]], 4, eos_id=1)
+    with pytest.raises(ValueError, match="exceed max_batch_size=3"):
+        tiny.generate([[1]] * 4, 4, eos_id=1)
+    with pytest.raises(ValueError, match="outside"):
+        tiny.generate([[1, 5000]], 4, eos_id=1)
+
+
+def test_seeded_sampling_and_streaming(tiny):
+    prompts = [[0, 2, 50, 60, 70], [0, 2, 80]]
+    first = tiny.generate(prompts, 20, eos_id=-1, temperature=1.0, seed=5)
+    assert tiny.generate(prompts, 20, eos_id=-1, temperature=1.0, seed=5) == first
+    assert tiny.generate(prompts, 20, eos_id=-1, temperature=1.0, seed=6) != first
+    seen = []
+    final = tiny.generate(prompts, 20, eos_id=-1, temperature=1.0, seed=5,
+                          on_tokens=lambda c: seen.append([list(row) for row in c]))
+    assert final == first and len(seen) == 20
+    assert all(len(row) == step + 1 for step, rows in enumerate(seen) for row in rows)
+    assert seen[-1] == final
+
+
+def test_warm_up_compiles_and_decoding_holds_no_growing_buffers(tiny):
+    prompts = [[0, 2, 11, 12, 13], [0, 2, 14], [0, 2, 15, 16, 17, 18, 19]]
+    gen.warm_up(tiny, [len(p) for p in prompts], 50)  # compiles what 50 new tokens need (window 64)
+    compiled = gen.decode_step._cache_size(), gen.prefill_step._cache_size()
+    cache_before = tiny.cache["kv"]
+    live = []
+
+    def count(completions):
+        if len(completions[0]) % 9 == 1 and len(completions[0]) < 50:  # steps 1, 10, ..., 46 (gc is slow)
+            gc.collect()
+            live.append(len(jax.live_arrays()))
+
+    out = tiny.generate([p[::-1] for p in prompts], 55, eos_id=-1, temperature=0.3, seed=9, on_tokens=count)
+    assert [len(c) for c in out] == [55] * 3  # 54 decode steps in the same (batch, window)
+    assert (gen.decode_step._cache_size(), gen.prefill_step._cache_size()) == compiled, "a step recompiled"
+    assert len(live) == 6 and len(set(live)) == 1, f"live device buffers changed during decoding: {live}"
+    assert cache_before.is_deleted(), "the cache was not donated to the steps"
+    assert not tiny.cache["kv"].is_deleted()
