@@ -326,11 +326,12 @@ def versions() -> dict:
 
 def markdown(rep: dict) -> str:
     c = rep["ceilings"]
+    note = rep.get("ceilings_note") or (
+        f"Ceilings measured in this run: copy {c['copy_Bps'] / 1e12:.2f} TB/s, XLA bf16 matmul "
+        f"{c['bf16_flops'] / 1e12:.0f} TFLOP/s, XLA fp8 dot {c['fp8_flops'] / 1e12:.0f} TFLOP/s (8192^3). "
+        "Floors below use these ceilings.")
     L = [f"# pallas_kernels on {rep['gpu']} ({rep['date']})", "",
-         f"Versions: {', '.join(f'{k} {v}' for k, v in rep['versions'].items())}. "
-         f"Ceilings measured in this run: copy {c['copy_Bps'] / 1e12:.2f} TB/s, XLA bf16 matmul "
-         f"{c['bf16_flops'] / 1e12:.0f} TFLOP/s, XLA fp8 dot {c['fp8_flops'] / 1e12:.0f} TFLOP/s (8192^3). "
-         "Floors below use these ceilings.", ""]
+         f"Versions: {', '.join(f'{k} {v}' for k, v in rep['versions'].items())}. {note}", ""]
     for name in ("act_quant", "weight_dequant"):
         r = rep.get(name)
         if not r:
@@ -343,11 +344,11 @@ def markdown(rep: dict) -> str:
                      f"{d['GBps']:.0f} GB/s; best tile {b['tile']} {b['us']:.1f} us = {b['GBps']:.0f} GB/s; "
                      f"memory floor {r['floor_us']:.1f} us; XLA (jnp twin) {r['xla_twin_us']:.1f} us.")
     L += ["", "fp8_gemm (block-scaled, bf16 out) vs XLA bf16 matmul and XLA raw fp8 dot of the same shape. "
-          "Floors: memory = bytes / copy bandwidth, compute = FLOPs / measured peak (fp8 for ours and "
-          "XLA fp8, bf16 for XLA bf16). Times in us.", "",
+          "Floors: memory = bytes / bandwidth, compute = FLOPs / peak (fp8 peak for ours and XLA fp8, "
+          "bf16 peak for XLA bf16), with the ceilings named above. Times in us.", "",
           "| M | N x K | ours (default) | ours (best) | TFLOP/s (best) | best config | floor fp8 mem / compute "
-          "| XLA bf16 | floor bf16 mem / compute | XLA fp8 |",
-          "|---:|---|---:|---:|---:|---|---|---:|---|---:|"]
+          "| XLA bf16 | floor bf16 mem / compute | XLA fp8 | run |",
+          "|---:|---|---:|---:|---:|---|---|---:|---|---:|---|"]
     order = {m: i for i, m in enumerate(sorted({r["M"] for r in rep["gemm"]}))}
     for r in sorted(rep["gemm"], key=lambda r: order[r["M"]]):
         bc = r.get("ours_best_config") or {}
@@ -357,7 +358,8 @@ def markdown(rep: dict) -> str:
         tf = r["flops"] / (r["ours_best_us"] * 1e-6) / 1e12 if r.get("ours_best_us") else None
         L.append(f"| {r['M']} | {r['N']}x{r['K']} | {fmt(r.get('ours_default_us'))} | {fmt(r.get('ours_best_us'))} | "
                  f"{fmt(tf)} | {cfg} | {f8['mem_us']:.1f} / {f8['compute_us']:.1f} | {fmt(r.get('xla_bf16_us'))} | "
-                 f"{f16['mem_us']:.1f} / {f16['compute_us']:.1f} | {fmt(r.get('xla_fp8_us'))} |")
+                 f"{f16['mem_us']:.1f} / {f16['compute_us']:.1f} | {fmt(r.get('xla_fp8_us'))} | "
+                 f"{r.get('run', rep['date'])} |")
     if rep.get("inspect"):
         L += ["", "Tensor-core instructions in the PTX XLA compiled (M=4096, N=2048, K=7168):", ""]
         for r in rep["inspect"]:
@@ -365,6 +367,50 @@ def markdown(rep: dict) -> str:
                      f"wgmma.mma_async {r['wgmma.mma_async']}, mma.sync {r['mma.sync']}, "
                      f"cp.async.bulk.tensor {r['cp.async.bulk.tensor']}, cp.async.cg {r['cp.async.cg']}"))
     return "\n".join(L) + "\n"
+
+
+def compose(paths: list[str], out_dir: str) -> None:
+    """One report from several runs (later runs override earlier rows): floors use the reference
+    ceilings (4.3 TB/s, 785 / 1400 TFLOP/s) so rows of different runs compare; 'ours (default)'
+    is the run's time for what default_config picks now, wherever a run timed that tiling."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    last = runs[-1]
+    rep = {k: last[k] for k in ("gpu", "sms", "versions", "method")}
+    rep["date"] = " + ".join(r["date"] for r in runs)
+    rep["composed_from"] = [Path(p).name for p in paths]
+    rep["ceilings"] = last["ceilings"]
+    rep["ceilings_by_run"] = {r["date"]: r["ceilings"] for r in runs}
+    rep["ceilings_note"] = (
+        "Ceilings measured in the runs: " + "; ".join(
+            f"{d}: copy {c['copy_Bps'] / 1e12:.2f} TB/s, XLA bf16 {c['bf16_flops'] / 1e12:.0f}, fp8 "
+            f"{c['fp8_flops'] / 1e12:.0f} TFLOP/s" for d, c in rep["ceilings_by_run"].items())
+        + ". Floors below use the reference ceilings 4.3 TB/s, 785 TFLOP/s bf16, 1400 TFLOP/s fp8.")
+    for name in ("act_quant", "weight_dequant"):
+        have = [r for r in runs if r.get(name)]
+        if have:
+            rep[name] = dict(have[-1][name], run=have[-1]["date"])
+            rep[name]["floor_us"] = rep[name]["bytes"] / 4.3e12 * 1e6
+    rows = {}
+    for r in runs:
+        for g in r.get("gemm", []):
+            if not g.get("from_run"):
+                rows[(g["M"], g["N"], g["K"])] = dict(g, run=r["date"])
+    rep["gemm"] = []
+    for (m, n, k), g in rows.items():
+        want = dataclasses.asdict(GM.default_config(m, n, k, rep["sms"] or 132))
+        hit = [x for x in g["runs"] if x.get("config") == want and "us" in x]
+        g["ours_default_us"] = hit[0]["us"] if hit else None
+        g["ours_default_config"] = want
+        g["floor_fp8"] = {"mem_us": g["bytes_fp8"] / 4.3e12 * 1e6, "compute_us": g["flops"] / 1400e12 * 1e6}
+        g["floor_bf16"] = {"mem_us": g["bytes_bf16"] / 4.3e12 * 1e6, "compute_us": g["flops"] / 785e12 * 1e6}
+        rep["gemm"].append(g)
+    missing = [f"{m}x{n}x{k}" for m in Sizes().gemm_m for n, k in Sizes().gemm_nk if (m, n, k) not in rows]
+    rep["not_measured"] = missing
+    md = markdown(rep) + (f"\nNot measured (device time ran out): M x N x K = {', '.join(missing)}.\n" if missing else "")
+    out = Path(out_dir)
+    (out / "kernels-h200.json").write_text(json.dumps(rep, indent=1, default=str))
+    (out / "kernels-h200.md").write_text(md)
+    log(md)
 
 
 def main():
@@ -381,7 +427,10 @@ def main():
     ap.add_argument("--dequant-tiles", default="", help="weight_dequant tiles to sweep, e.g. 16x1024x4")
     ap.add_argument("--merge", default="", help="earlier JSON: GEMM rows this run skips are copied "
                     "from it (marked with their run's date)")
+    ap.add_argument("--compose", nargs="+", help="write one report from these run JSONs, run nothing")
     args = ap.parse_args()
+    if args.compose:
+        return compose(args.compose, args.out_dir)
     t_start = time.time()
     deadline = t_start + args.budget_s
     dev = jax.devices()[0]
