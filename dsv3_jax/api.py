@@ -17,11 +17,13 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .attention import StepContext
 from .cache import allocate_cache, cache_specs
-from .checkpoint import find_config, hf_name, load_state
+from .checkpoint import (ReferenceLayoutIndex, find_config, hf_name, home_rank, load_state, rank_files,
+                         reference_naming)
 from .config import ModelArgs
 from .model import Transformer
 from .rope import inverse_frequencies, rotary_angles
-from .safetensors_io import TensorIndex
+from .orbax_io import has_array, is_orbax_checkpoint, restore_state
+from .safetensors_io import CheckpointError, TensorIndex
 from .sharding import check_divisible, make_mesh, named_shardings, partition_specs
 
 DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32}
@@ -134,29 +136,46 @@ def _mesh_for(args: ModelArgs, num_devices: int, mesh: Mesh | None) -> Mesh:
 def load(path, *, dtype: str = "bfloat16", attn_impl: str = "absorb", gemm_impl: str = "bf16",
          num_devices: int = 1, mesh: Mesh | None = None, max_batch_size: int = 8, max_seq_len: int = 4096,
          config=None) -> Model:
-    """Load a Hugging Face checkpoint directory (config.json + *.safetensors) onto `num_devices` devices.
+    """Load a checkpoint directory onto `num_devices` devices (or `mesh`), each device reading its own shard.
 
+    The directory holds a Hugging Face checkpoint (config.json + *.safetensors), the reference's
+    per-rank files `model{r}-mp{MP}.safetensors` (convert/convert.py; they carry no config, so
+    `config` is required), or an orbax checkpoint (convert/to_orbax.py).
     config: None (read `config.json`), a path to a reference or HF JSON, or a `ModelArgs`.
     """
     compute_dtype = _resolve_options(dtype, attn_impl, gemm_impl)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    ranked = rank_files(path)
+    if config is None and ranked:
+        raise CheckpointError(f"{path} holds the reference's per-rank files, which carry no config: "
+                              "pass config= (a reference JSON or ModelArgs)")
     if config is None:
         args = ModelArgs.from_file(find_config(path))
     elif isinstance(config, ModelArgs):
         args = config
     else:
         args = ModelArgs.from_file(config)
-    index = TensorIndex(path)
-    if args.gate_bias is None:
-        probe = hf_name(f"layers.{args.n_dense_layers}.ffn.gate.bias")
-        args = args.replace(gate_bias=args.n_moe_layers > 0 and probe in index)
     args = args.replace(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
     mesh = _mesh_for(args, num_devices, mesh)
-    abstract = nnx.eval_shape(lambda: Transformer(args, dtype=compute_dtype))
-    graphdef, abstract_state = nnx.split(abstract)
-    state = load_state(index, abstract_state, args, mesh)
+    if is_orbax_checkpoint(path):
+        if args.gate_bias is None:
+            bias = ("moe_layers", "ffn", "gate", "bias")
+            args = args.replace(gate_bias=args.n_moe_layers > 0 and has_array(path, bias))
+        graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Transformer(args, dtype=compute_dtype)))
+        state = restore_state(path, abstract_state, args, mesh)
+    else:
+        if ranked:
+            index = ReferenceLayoutIndex(path, args.n_routed_experts, home_rank(mesh, len(ranked)))
+            naming = reference_naming
+        else:
+            index, naming = TensorIndex(path), hf_name
+        if args.gate_bias is None:
+            probe = naming(f"layers.{args.n_dense_layers}.ffn.gate.bias")
+            args = args.replace(gate_bias=args.n_moe_layers > 0 and probe in index)
+        graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Transformer(args, dtype=compute_dtype)))
+        state = load_state(index, abstract_state, args, mesh, naming)
     return Model(args, graphdef, state, mesh, dtype=compute_dtype, attn_impl=attn_impl, gemm_impl=gemm_impl)
 
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from .config import ModelArgs
-from .safetensors_io import CheckpointError, TensorIndex
+from .safetensors_io import CheckpointError, SafetensorsFile, TensorIndex
 from .sharding import partition_specs
 
 # reference module name -> Hugging Face module name (component by component)
@@ -148,3 +148,164 @@ def find_config(directory: Path) -> Path:
     if not path.is_file():
         raise CheckpointError(f"no config.json in {directory} (pass config= with a reference JSON)")
     return path
+
+
+# ------------------------------------------------------------------ the reference's per-rank layout
+# reference module -> the dimension convert.py cuts it along over ranks (others are copied to every rank,
+# routed experts go whole to the rank that owns them)
+REFERENCE_SPLIT_DIM = {"embed": 0, "wq": 0, "wq_b": 0, "wkv_b": 0, "wo": 1, "w1": 0, "w2": 1, "w3": 0, "head": 0}
+_ROUTED_EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.(\d+)\.")
+_RANK_FILE = re.compile(r"^model(\d+)-mp(\d+)\.safetensors$")
+
+
+def reference_naming(reference_name: str) -> str:
+    """Names in the reference's per-rank files are the reference names themselves."""
+    return reference_name
+
+
+def routed_expert(reference_name: str) -> int | None:
+    """The expert index of a routed-expert tensor (`layers.3.ffn.experts.17.w1.weight` -> 17), else None."""
+    match = _ROUTED_EXPERT.match(reference_name)
+    return int(match.group(1)) if match else None
+
+
+def split_dim(reference_name: str) -> int | None:
+    """The dimension a tensor (weight or its fp8 `scale`) is cut along over ranks; None when not cut."""
+    if routed_expert(reference_name) is not None:
+        return None
+    return REFERENCE_SPLIT_DIM.get(reference_name.split(".")[-2])
+
+
+def rank_files(directory: Path) -> dict[int, Path]:
+    """The per-rank files `model{r}-mp{MP}.safetensors` of a reference-layout directory, by rank (empty if none)."""
+    found: dict[int, dict[int, Path]] = {}
+    for path in Path(directory).glob("model*-mp*.safetensors"):
+        match = _RANK_FILE.match(path.name)
+        if match:
+            found.setdefault(int(match.group(2)), {})[int(match.group(1))] = path
+    if not found:
+        return {}
+    if len(found) > 1:
+        raise CheckpointError(f"{directory} mixes per-rank files of several model-parallel sizes {sorted(found)}")
+    (world, files), = found.items()
+    missing = [r for r in range(world) if r not in files]
+    if missing or len(files) != world:
+        raise CheckpointError(f"{directory} lacks model{missing[0] if missing else '?'}-mp{world}.safetensors "
+                              f"(a reference checkpoint for {world} ranks needs ranks 0..{world - 1})")
+    return files
+
+
+class _RankSplitTensor:
+    """A tensor cut into equal pieces along `dim`, one per rank file, read as one global array.
+
+    Indexing with a tuple of unit-step slices reads only the files whose pieces the window overlaps.
+    """
+
+    def __init__(self, name: str, files: list[SafetensorsFile], dim: int):
+        self.name, self.files, self.dim = name, files, dim
+        self.dtype = files[0].dtype(name)
+        shape = list(files[0].shape(name))
+        self.piece = shape[dim]
+        shape[dim] *= len(files)
+        self.shape = tuple(shape)
+        self.ndim = len(shape)
+
+    def __getitem__(self, window) -> np.ndarray:
+        window = tuple(window) if isinstance(window, tuple) else (window,)
+        window = window + (slice(None),) * (self.ndim - len(window))
+        bounds = []
+        for size, item in zip(self.shape, window):
+            if not isinstance(item, slice):
+                raise TypeError(f"tensor {self.name!r}: only slices can index a rank-split tensor")
+            start, stop, step = item.indices(size)
+            if step != 1:
+                raise TypeError(f"tensor {self.name!r}: rank-split tensors are read with unit-step slices")
+            bounds.append((start, max(start, stop)))
+        start, stop = bounds[self.dim]
+        parts = []
+        for rank in range(start // self.piece, -(-stop // self.piece)):
+            offset = rank * self.piece
+            local = [slice(a, b) for a, b in bounds]
+            local[self.dim] = slice(max(start, offset) - offset, min(stop, offset + self.piece) - offset)
+            parts.append(np.asarray(self.files[rank].tensor(self.name)[tuple(local)]))
+        if not parts:
+            return np.zeros([b - a for a, b in bounds], self.dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=self.dim)
+
+
+class ReferenceLayoutIndex:
+    """The reference's per-rank checkpoint (`model{r}-mp{MP}.safetensors`, written by convert/convert.py)
+    presented like a `TensorIndex` of global tensors under their reference names.
+
+    A tensor cut along a dimension reads, for a window, only the rank files the window overlaps: a
+    model loaded on MP devices reads each device's shard from its own rank's file. Routed experts are
+    read from their owner's file; tensors every rank holds a copy of are read from `home_rank`'s file
+    (pick the rank of this process's first device so that each host reads its own file).
+    """
+
+    def __init__(self, directory: str | Path, n_routed_experts: int, home_rank: int = 0):
+        self.directory = Path(directory)
+        paths = rank_files(self.directory)
+        if not paths:
+            raise CheckpointError(f"no model{{rank}}-mp{{MP}}.safetensors files in {self.directory}")
+        self.world = len(paths)
+        if n_routed_experts % self.world:
+            raise CheckpointError(f"{self.world} rank files cannot hold {n_routed_experts} routed experts evenly")
+        self.experts_per_rank = n_routed_experts // self.world
+        self.home_rank = min(max(home_rank, 0), self.world - 1)
+        self.files = [SafetensorsFile(paths[r]) for r in range(self.world)]
+        holders: dict[str, list[int]] = {}
+        for rank, file in enumerate(self.files):
+            for name in file.keys():
+                holders.setdefault(name, []).append(rank)
+        self._entries: dict[str, tuple[str, int | None]] = {}  # name -> (kind, owner rank or split dim)
+        for name, ranks in holders.items():
+            expert = routed_expert(name)
+            if expert is not None:
+                owner = expert // max(self.experts_per_rank, 1)
+                if ranks != [owner]:
+                    raise CheckpointError(f"routed expert tensor {name!r} should be in {paths[owner].name} only, "
+                                          f"found in {', '.join(paths[r].name for r in ranks)}")
+                self._entries[name] = ("owned", owner)
+                continue
+            if len(ranks) != self.world:
+                absent = next(r for r in range(self.world) if r not in ranks)
+                raise CheckpointError(f"tensor {name!r} is missing from {paths[absent].name}")
+            shapes = {(self.files[r].shape(name), self.files[r].dtype(name)) for r in ranks}
+            if len(shapes) > 1:
+                raise CheckpointError(f"tensor {name!r} has different shapes or dtypes in the rank files")
+            dim = split_dim(name)
+            self._entries[name] = ("split", dim) if dim is not None and self.world > 1 else ("copied", None)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def tensor(self, name: str):
+        kind, where = self._entries[name]
+        if kind == "owned":
+            return self.files[where].tensor(name)
+        if kind == "copied":
+            return self.files[self.home_rank].tensor(name)
+        return _RankSplitTensor(name, self.files, where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        kind, where = self._entries[name]
+        shape = list(self.files[where if kind == "owned" else 0].shape(name))
+        if kind == "split":
+            shape[where] *= self.world
+        return tuple(shape)
+
+    def dtype(self, name: str) -> np.dtype:
+        kind, where = self._entries[name]
+        return self.files[where if kind == "owned" else 0].dtype(name)
+
+
+def home_rank(mesh: Mesh, world: int) -> int:
+    """The rank file whose copies of replicated tensors this process reads: the one matching the
+    mesh position of its first device (each host reads its own file when the mesh has `world` devices)."""
+    devices = list(mesh.devices.flat)
+    position = next((i for i, d in enumerate(devices) if d.process_index == jax.process_index()), 0)
+    return position * world // len(devices)

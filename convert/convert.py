@@ -1,0 +1,118 @@
+"""Convert a Hugging Face DeepSeek-V2/V3 checkpoint into the reference's per-rank layout.
+
+    python convert/convert.py --hf-ckpt-path HF_DIR --save-path OUT --n-experts 256 --model-parallel 8
+
+OUT receives `model{r}-mp{MP}.safetensors` for each rank r < MP and the tokenizer files. Names are
+the reference's (`model.` dropped, `self_attn`->`attn`, `q_b_proj`->`wq_b`, `weight_scale_inv`->
+`scale`, ...); the multi-token-prediction layer is skipped. Routed experts go whole to the rank
+that owns them (experts [r*E/MP, (r+1)*E/MP)); embed, wq, wq_b, wkv_b, w1, w3 and head are cut
+into MP equal parts along dim 0, wo and w2 along dim 1, the fp8 block scales of a cut weight
+along the same dimension in whole 128-blocks; everything else is copied to every rank.
+
+Load the result with `dsv3_jax.load(OUT, config=<reference JSON or ModelArgs>, num_devices=N)`.
+Each source tensor is read once and each rank's part written straight to that rank's file, so
+host memory stays near the largest tensor whatever the model size.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python convert/convert.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from convert._common import (SafetensorsWriter, ToolError, check_source, copy_tokenizer_files,  # noqa: E402
+                             in_file_order, load_hf_config, progress, read_tensor, run_tool, staging_directory)
+from dsv3_jax.checkpoint import routed_expert, split_dim  # noqa: E402
+from dsv3_jax.config import ModelArgs  # noqa: E402
+from dsv3_jax.layers import FP8_BLOCK  # noqa: E402
+
+
+def rank_file_name(rank: int, world: int) -> str:
+    return f"model{rank}-mp{world}.safetensors"
+
+
+def check_model_parallel(args: ModelArgs, n_experts: int, world: int) -> None:
+    """MP must divide the experts, the heads and the vocabulary (the reference's requirements)."""
+    if world < 1:
+        raise ToolError(f"--model-parallel must be positive, got {world}")
+    if args.n_moe_layers and n_experts != args.n_routed_experts:
+        raise ToolError(f"--n-experts {n_experts} contradicts the config's n_routed_experts={args.n_routed_experts}")
+    sizes = {"n_heads": args.n_heads, "vocab_size": args.vocab_size}
+    if args.n_moe_layers:
+        sizes["n_routed_experts"] = n_experts
+    for name, size in sizes.items():
+        if size % world:
+            raise ToolError(f"--model-parallel {world} does not divide {name}={size}")
+
+
+def rank_parts(name: str, shape: tuple[int, ...], args: ModelArgs, world: int, shapes: dict):
+    """[(rank, window)] of the ranks that receive part of tensor `name` (reference name)."""
+    expert = routed_expert(name)
+    if expert is not None:
+        return [(expert // (args.n_routed_experts // world), ())]
+    dim = split_dim(name)
+    if dim is None or world == 1:
+        return [(rank, ()) for rank in range(world)]
+    if name.endswith(".scale"):  # the weight it scales must split into whole 128-blocks
+        weight = name[: -len("scale")] + "weight"
+        if shapes[weight][dim] % (world * FP8_BLOCK):
+            raise ToolError(f"fp8 tensor {weight!r} cannot be split over {world} ranks: dim {dim} (size "
+                            f"{shapes[weight][dim]}) does not give each rank whole {FP8_BLOCK}-blocks")
+    size = shape[dim]
+    if size % world:
+        raise ToolError(f"--model-parallel {world} does not divide dim {dim} (size {size}) of tensor {name!r}")
+    part = size // world
+    return [(rank, (slice(None),) * dim + (slice(rank * part, (rank + 1) * part),)) for rank in range(world)]
+
+
+def part_shape(shape: tuple[int, ...], window: tuple) -> tuple[int, ...]:
+    out = list(shape)
+    for axis, item in enumerate(window):
+        start, stop, _ = item.indices(shape[axis])
+        out[axis] = stop - start
+    return tuple(out)
+
+
+def convert(hf_ckpt_path: Path, save_path: Path, n_experts: int, world: int) -> None:
+    _, args = load_hf_config(hf_ckpt_path)
+    check_model_parallel(args, n_experts, world)
+    source = check_source(hf_ckpt_path, args)
+    index = source.index
+    reference_of = {hf: ref for ref, hf in source.model.items()}
+
+    plan = []  # (HF name, reference name, [(rank, window)]) in the order the files are read
+    layouts: list[list] = [[] for _ in range(world)]
+    for hf in in_file_order(index, reference_of):
+        ref = reference_of[hf]
+        parts = rank_parts(ref, source.shapes[ref], source.args, world, source.shapes)
+        for rank, window in parts:
+            layouts[rank].append((ref, index.dtype(hf), part_shape(source.shapes[ref], window)))
+        plan.append((hf, ref, parts))
+
+    with staging_directory(save_path) as staging, contextlib.ExitStack() as files:
+        writers = [files.enter_context(SafetensorsWriter(staging / rank_file_name(rank, world), layouts[rank]))
+                   for rank in range(world)]
+        for hf, ref, parts in progress(plan, desc=f"convert to {world} ranks"):
+            file = index.location[hf]
+            copied = read_tensor(file, hf) if len(parts) > 1 and parts[0][1] == () else None  # read once
+            for rank, window in parts:
+                writers[rank].write(ref, copied if copied is not None else read_tensor(file, hf, window))
+        files.close()
+        copy_tokenizer_files(hf_ckpt_path, staging)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf-ckpt-path", type=Path, required=True)
+    parser.add_argument("--save-path", type=Path, required=True)
+    parser.add_argument("--n-experts", type=int, required=True)
+    parser.add_argument("--model-parallel", type=int, required=True)
+    opts = parser.parse_args(argv)
+    convert(opts.hf_ckpt_path, opts.save_path, opts.n_experts, opts.model_parallel)
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool(main))
