@@ -29,9 +29,11 @@ from .sharding import check_divisible, make_mesh, named_shardings, partition_spe
 DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32}
 ATTN_IMPLS = ("absorb", "naive")
 GEMM_IMPLS = ("bf16", "fp8")
+MOE_IMPLS = ("auto", "kernel", "gather", "ragged")
 
 
-def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, attn_impl: str, gemm_impl: str):
+def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, attn_impl: str, gemm_impl: str,
+              moe_impl: str = "auto"):
     """The jitted forward step `(state, cache, tokens, start_pos, last_index, *, kv_len) -> (logits, cache)`.
 
     tokens (B, S) int32; start_pos (B,) int32, each row's position of tokens[:, 0]; last_index (B,)
@@ -45,7 +47,7 @@ def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, 
     def local_step(state, cache, tokens, positions, last_index, kv_len):
         model = nnx.merge(graphdef, state)
         cos, sin = rotary_angles(positions, inv_freq, args.rope_attention_factor)
-        ctx = StepContext(positions, cos, sin, kv_len, attn_impl, gemm_impl, args.scale_fmt)
+        ctx = StepContext(positions, cos, sin, kv_len, attn_impl, gemm_impl, args.scale_fmt, moe_impl)
         return model(tokens, ctx, cache, last_index)
 
     def step(state, cache, tokens, start_pos, last_index, *, kv_len: int):
@@ -67,10 +69,10 @@ class Model:
     """A DeepSeek-V2/V3 model on a mesh, with its cache and jitted step (see `make_step`)."""
 
     def __init__(self, args: ModelArgs, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh, *,
-                 dtype=jnp.bfloat16, attn_impl: str = "absorb", gemm_impl: str = "bf16"):
+                 dtype=jnp.bfloat16, attn_impl: str = "absorb", gemm_impl: str = "bf16", moe_impl: str = "auto"):
         self.args, self.graphdef, self.state, self.mesh = args, graphdef, state, mesh
-        self.dtype, self.attn_impl, self.gemm_impl = dtype, attn_impl, gemm_impl
-        self.step = make_step(graphdef, partition_specs(state), args, mesh, attn_impl, gemm_impl)
+        self.dtype, self.attn_impl, self.gemm_impl, self.moe_impl = dtype, attn_impl, gemm_impl, moe_impl
+        self.step = make_step(graphdef, partition_specs(state), args, mesh, attn_impl, gemm_impl, moe_impl)
         self.cache = allocate_cache(args, attn_impl, mesh, dtype)
 
     def reset_cache(self) -> None:
@@ -117,13 +119,15 @@ class Model:
                         on_tokens=on_tokens)
 
 
-def _resolve_options(dtype, attn_impl, gemm_impl):
+def _resolve_options(dtype, attn_impl, gemm_impl, moe_impl="auto"):
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if attn_impl not in ATTN_IMPLS:
         raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
     if gemm_impl not in GEMM_IMPLS:
         raise ValueError(f"gemm_impl must be one of {GEMM_IMPLS}, got {gemm_impl!r}")
+    if moe_impl not in MOE_IMPLS:
+        raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
     return DTYPES[dtype]
 
 
@@ -135,7 +139,7 @@ def _mesh_for(args: ModelArgs, num_devices: int, mesh: Mesh | None) -> Mesh:
 
 def load(path, *, dtype: str = "bfloat16", attn_impl: str = "absorb", gemm_impl: str = "bf16",
          num_devices: int = 1, mesh: Mesh | None = None, max_batch_size: int = 8, max_seq_len: int = 4096,
-         config=None) -> Model:
+         config=None, moe_impl: str = "auto") -> Model:
     """Load a checkpoint directory onto `num_devices` devices (or `mesh`), each device reading its own shard.
 
     The directory holds a Hugging Face checkpoint (config.json + *.safetensors), the reference's
@@ -143,7 +147,7 @@ def load(path, *, dtype: str = "bfloat16", attn_impl: str = "absorb", gemm_impl:
     `config` is required), or an orbax checkpoint (convert/to_orbax.py).
     config: None (read `config.json`), a path to a reference or HF JSON, or a `ModelArgs`.
     """
-    compute_dtype = _resolve_options(dtype, attn_impl, gemm_impl)
+    compute_dtype = _resolve_options(dtype, attn_impl, gemm_impl, moe_impl)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
@@ -176,13 +180,14 @@ def load(path, *, dtype: str = "bfloat16", attn_impl: str = "absorb", gemm_impl:
             args = args.replace(gate_bias=args.n_moe_layers > 0 and probe in index)
         graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Transformer(args, dtype=compute_dtype)))
         state = load_state(index, abstract_state, args, mesh, naming)
-    return Model(args, graphdef, state, mesh, dtype=compute_dtype, attn_impl=attn_impl, gemm_impl=gemm_impl)
+    return Model(args, graphdef, state, mesh, dtype=compute_dtype, attn_impl=attn_impl, gemm_impl=gemm_impl,
+                 moe_impl=moe_impl)
 
 
 def build(args: ModelArgs, *, seed: int = 0, dtype: str = "bfloat16", attn_impl: str = "absorb",
-          gemm_impl: str = "bf16", num_devices: int = 1, mesh: Mesh | None = None) -> Model:
+          gemm_impl: str = "bf16", num_devices: int = 1, mesh: Mesh | None = None, moe_impl: str = "auto") -> Model:
     """A model with random weights generated directly on the mesh shards (benchmarks, demos)."""
-    compute_dtype = _resolve_options(dtype, attn_impl, gemm_impl)
+    compute_dtype = _resolve_options(dtype, attn_impl, gemm_impl, moe_impl)
     if args.gate_bias is None:
         args = args.replace(gate_bias=args.score_func == "sigmoid")
     mesh = _mesh_for(args, num_devices, mesh)
@@ -191,4 +196,5 @@ def build(args: ModelArgs, *, seed: int = 0, dtype: str = "bfloat16", attn_impl:
     shardings = named_shardings(mesh, partition_specs(abstract_state))
     make = jax.jit(lambda: nnx.split(Transformer(args, dtype=compute_dtype, rngs=nnx.Rngs(seed)))[1],
                    out_shardings=shardings)
-    return Model(args, graphdef, make(), mesh, dtype=compute_dtype, attn_impl=attn_impl, gemm_impl=gemm_impl)
+    return Model(args, graphdef, make(), mesh, dtype=compute_dtype, attn_impl=attn_impl, gemm_impl=gemm_impl,
+                 moe_impl=moe_impl)

@@ -33,12 +33,11 @@ class StepContext:
     moe_impl: str = "auto"  # routed-expert GEMM: "auto", "kernel" (Pallas grouped), "gather", "ragged"
 
 
-def write_cache(cache: jnp.ndarray, layer, values: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
-    """Store values (B, S, ...) at cache[layer, row, positions[row, s]]; positions past the end are dropped."""
+def insert_rows(window: jnp.ndarray, values: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
+    """window (B, T, ...) with values (B, S, ...) placed at [row, positions[row, s]]; positions >= T dropped."""
     batch, seq = positions.shape
     rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
-    layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (batch, seq))
-    return cache.at[layers, rows, positions].set(values.astype(cache.dtype), mode="drop")
+    return window.at[rows, positions].set(values.astype(window.dtype), mode="drop")
 
 
 def read_cache(cache: jnp.ndarray, layer, batch: int, kv_len: int) -> jnp.ndarray:
@@ -46,6 +45,17 @@ def read_cache(cache: jnp.ndarray, layer, batch: int, kv_len: int) -> jnp.ndarra
     sizes = (1, batch, kv_len) + cache.shape[3:]
     window = jax.lax.dynamic_slice(cache, (layer, 0, 0) + (0,) * (cache.ndim - 3), sizes)
     return window[0]
+
+
+def write_cache(cache: dict, entries: dict, positions: jnp.ndarray) -> dict:
+    """Store every layer's new entries (L, B, S, ...) at cache[:, row, positions[row, s]], in one scatter.
+
+    Done once per step outside the layer scan: inside it, a scatter into the loop-carried stacked
+    cache makes XLA copy the whole cache at every layer."""
+    batch, seq = positions.shape
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
+    return {name: cache[name].at[:, rows, positions].set(entries[name].astype(cache[name].dtype), mode="drop")
+            for name in cache}
 
 
 def _einsum(spec: str, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
@@ -79,7 +89,10 @@ class MLA(nnx.Module):
         self.wo = Linear(heads * self.v_dim, args.dim, parallel="row", **common)
 
     def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict, layer) -> tuple[jnp.ndarray, dict]:
-        """x (B, S, dim) -> (attention output (B, S, dim), summed over ranks; the updated cache)."""
+        """x (B, S, dim) -> (attention output (B, S, dim), summed over ranks; this chunk's cache entries).
+
+        `cache` is read, not written: attention sees its window with this chunk's entries put in
+        place, and the caller stores the returned entries (see `write_cache`)."""
         batch, seq, _ = x.shape
         gemm = dict(gemm_impl=ctx.gemm_impl, scale_fmt=ctx.scale_fmt)
         if hasattr(self, "wq"):
@@ -103,27 +116,25 @@ class MLA(nnx.Module):
             kv_full = self.wkv_b(latent, **gemm).reshape(batch, seq, heads, self.nope_dim + self.v_dim)
             k_nope, v = kv_full[..., : self.nope_dim], kv_full[..., self.nope_dim:]
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (batch, seq, heads, self.rope_dim))], -1)
-            cache = dict(k=write_cache(cache["k"], layer, k, ctx.positions),
-                         v=write_cache(cache["v"], layer, v, ctx.positions))
-            keys = read_cache(cache["k"], layer, batch, ctx.kv_len)
-            values = read_cache(cache["v"], layer, batch, ctx.kv_len)
+            entries = dict(k=k, v=v)
+            keys = insert_rows(read_cache(cache["k"], layer, batch, ctx.kv_len), k, ctx.positions)
+            values = insert_rows(read_cache(cache["v"], layer, batch, ctx.kv_len), v, ctx.positions)
             q_full = jnp.concatenate([q_nope, q_pe], -1)
             scores = _einsum("bshd,bthd->bsht", q_full, keys) * self.softmax_scale
             probs = _softmax(scores, visible).astype(x.dtype)
             out = _einsum("bsht,bthd->bshd", probs, values).astype(x.dtype)
         else:
             wkv_b = self.wkv_b.dequantized(x.dtype).reshape(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-            cache = dict(kv=write_cache(cache["kv"], layer, latent, ctx.positions),
-                         pe=write_cache(cache["pe"], layer, k_pe, ctx.positions))
-            latents = read_cache(cache["kv"], layer, batch, ctx.kv_len)
-            rotary_keys = read_cache(cache["pe"], layer, batch, ctx.kv_len)
+            entries = dict(kv=latent, pe=k_pe)
+            latents = insert_rows(read_cache(cache["kv"], layer, batch, ctx.kv_len), latent, ctx.positions)
+            rotary_keys = insert_rows(read_cache(cache["pe"], layer, batch, ctx.kv_len), k_pe, ctx.positions)
             q_latent = _einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : self.nope_dim]).astype(x.dtype)
             scores = (_einsum("bshc,btc->bsht", q_latent, latents)
                       + _einsum("bshr,btr->bsht", q_pe, rotary_keys)) * self.softmax_scale
             probs = _softmax(scores, visible).astype(x.dtype)
             out = _einsum("bsht,btc->bshc", probs, latents).astype(x.dtype)
             out = _einsum("bshc,hdc->bshd", out, wkv_b[:, self.nope_dim:]).astype(x.dtype)
-        return self.wo(out.reshape(batch, seq, -1), reduce=True, **gemm), cache
+        return self.wo(out.reshape(batch, seq, -1), reduce=True, **gemm), entries
 
 
 def _softmax(scores: jnp.ndarray, visible: jnp.ndarray) -> jnp.ndarray:

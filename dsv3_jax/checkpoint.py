@@ -87,6 +87,9 @@ def check_checkpoint(index: TensorIndex, state: nnx.State, args: ModelArgs, nami
         stored = naming(name)
         needed.add(stored)
         if stored not in index:
+            weight = naming(name[: -len("scale")] + "weight") if name.endswith(".scale") else None
+            if weight is not None and weight in index:
+                raise CheckpointError(f"fp8 weight {weight!r} has no scale tensor {stored!r} in {index.directory}")
             raise CheckpointError(f"missing tensor {stored!r} in {index.directory}")
         if tuple(index.shape(stored)) != tuple(shape):
             raise CheckpointError(f"tensor {stored!r} has shape {tuple(index.shape(stored))}, "

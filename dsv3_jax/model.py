@@ -2,8 +2,8 @@
 
 Layers of one kind are stacked (leading layer axis on every parameter) and run by `jax.lax.scan`,
 so compile time does not grow with depth: the dense-MLP layers form one stack, the MoE layers
-another. The cache is one stacked pytree for all layers, threaded through the scans as carry and
-updated in place at the chunk's positions.
+another. The cache is one stacked pytree for all layers: the scans read it, each layer returns its
+new entries, and one scatter after the scans stores them all (in place, the cache being donated).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import MLA, StepContext
+from .attention import MLA, StepContext, write_cache
 from .config import ModelArgs
 from .layers import MODEL_AXIS, Linear, ParallelEmbedding, RMSNorm
 from .moe import MLP, MoE
@@ -30,29 +30,32 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, stack=stack)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, stack=stack)
 
-    def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict, layer) -> tuple[jnp.ndarray, dict]:
-        attn_out, cache = self.attn(self.attn_norm(x), ctx, cache, layer)
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict, layer, stack_index=None):
+        """-> (block output, this layer's new cache entries). `layer` indexes the cache; `stack_index`
+        the routed-expert weight stack, when the experts hold every layer of their stack."""
+        attn_out, entries = self.attn(self.attn_norm(x), ctx, cache, layer)
         h = x + attn_out
         if isinstance(self.ffn, MoE):
-            ffn_out = self.ffn(self.ffn_norm(h), ctx.gemm_impl, ctx.scale_fmt, ctx.moe_impl)
+            ffn_out = self.ffn(self.ffn_norm(h), ctx.gemm_impl, ctx.scale_fmt, ctx.moe_impl, stack_index)
         else:
             ffn_out = self.ffn(self.ffn_norm(h), ctx.gemm_impl, ctx.scale_fmt, reduce=True)
-        return h + ffn_out, cache
+        return h + ffn_out, entries
 
 
 def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict, first_layer: int):
-    """Apply the stacked layers in order with `jax.lax.scan`; cache rows are indexed by global layer."""
-    graphdef, state = nnx.split(stack)
-    depth = jax.tree.leaves(state)[0].shape[0]
+    """Apply the stacked layers in order with `jax.lax.scan` (cache rows indexed by global layer);
+    returns the output and the stacked new cache entries (depth, B, S, ...)."""
+    # routed experts stay whole (the grouped kernel indexes the layer); everything else is scanned over
+    graphdef, routed, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
+    depth = jax.tree.leaves(rest)[0].shape[0]
+    has_routed = bool(jax.tree.leaves(routed))
 
-    def one_layer(carry, xs):
-        h, cache = carry
+    def one_layer(h, xs):
         layer_state, index = xs
-        h, cache = nnx.merge(graphdef, layer_state)(h, ctx, cache, first_layer + index)
-        return (h, cache), None
+        block = nnx.merge(graphdef, routed, layer_state)
+        return block(h, ctx, cache, first_layer + index, index if has_routed else None)
 
-    (x, cache), _ = jax.lax.scan(one_layer, (x, cache), (state, jnp.arange(depth)))
-    return x, cache
+    return jax.lax.scan(one_layer, x, (rest, jnp.arange(depth)))
 
 
 class Transformer(nnx.Module):
@@ -72,10 +75,12 @@ class Transformer(nnx.Module):
                  last_index: jnp.ndarray) -> tuple[jnp.ndarray, dict]:
         """tokens (B, S) -> float32 logits (B, vocab) at each row's `last_index`, and the updated cache."""
         h = self.embed(tokens)
-        if self.dense_layers is not None:
-            h, cache = run_stack(self.dense_layers, h, ctx, cache, 0)
-        if self.moe_layers is not None:
-            h, cache = run_stack(self.moe_layers, h, ctx, cache, self.n_dense_layers)
+        entries = []
+        for stack, first in ((self.dense_layers, 0), (self.moe_layers, self.n_dense_layers)):
+            if stack is not None:
+                h, new = run_stack(stack, h, ctx, cache, first)
+                entries.append(new)
+        cache = write_cache(cache, jax.tree.map(lambda *e: jnp.concatenate(e), *entries), ctx.positions)
         h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]
         logits = self.head(self.norm(h), out_dtype=jnp.float32)
         return jax.lax.all_gather(logits, MODEL_AXIS, axis=1, tiled=True), cache

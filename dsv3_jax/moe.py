@@ -77,16 +77,16 @@ class Gate(nnx.Module):
         return weights * self.route_scale, indices.astype(jnp.int32)
 
 
-def grouped_kernel_applies(rows: int, local_experts: int, in_dims: tuple[int, ...]) -> bool:
-    """Whether the routed-expert GEMM should use the Pallas grouped kernel: on a GPU, for
-    decode-sized row counts (where reading only the experts in use matters), K a multiple of 128."""
+def grouped_kernel_applies(in_dims: tuple[int, ...]) -> bool:
+    """Whether the routed-expert GEMM can use the Pallas grouped kernel: on a GPU, K a multiple of 128."""
     from pallas_kernels._common import use_interpret
 
-    return not use_interpret() and rows <= 4 * max(local_experts, 16) and all(k % FP8_BLOCK == 0 for k in in_dims)
+    return not use_interpret() and all(k % FP8_BLOCK == 0 for k in in_dims)
 
 
 def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | None, group_sizes: jnp.ndarray,
-                   *, gemm_impl: str = "bf16", scale_fmt: str | None = None, use_kernel: bool = False) -> jnp.ndarray:
+                   *, gemm_impl: str = "bf16", scale_fmt: str | None = None, use_kernel: bool = False,
+                   layer=None) -> jnp.ndarray:
     """Rows of x (M, in), sorted by expert, times their expert's W^T (weight (E, out, in)) -> float32.
 
     group_sizes (E,) counts the rows of each expert; rows past their sum come out as zeros.
@@ -94,7 +94,8 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     `jax.lax.ragged_dot_general`, which streams every expert. With an fp8 weight, "bf16"
     dequantises it (in the kernel, tile by tile); "fp8" also rounds the activations through
     `act_quant`: exactly the scaled fp8 GEMM's products on the XLA path, carried in x's dtype
-    in the kernel (exact for ue8m0 scales, within 2^-9 otherwise).
+    in the kernel (exact for ue8m0 scales, within 2^-9 otherwise). With `layer`, weight (and
+    scale) are a stack over layers (L, E, out, in) of which layer `layer` is used.
     """
     if scale is not None and gemm_impl == "fp8":
         from pallas_kernels import act_quant
@@ -105,7 +106,13 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     if use_kernel:
         from pallas_kernels.grouped_gemm import grouped_gemm
 
-        return grouped_gemm(x, weight, group_sizes, scale, out_dtype=jnp.float32)
+        # decode-sized batches: short row tiles; prefill: taller tiles re-read each expert less often
+        block_m, block_n = (16, 64) if x.shape[0] <= 1024 else (64, 128)
+        return grouped_gemm(x, weight, group_sizes, scale, layer=layer, out_dtype=jnp.float32, block_m=block_m,
+                            block_n=block_n if scale is None else min(block_n, FP8_BLOCK))
+    if layer is not None:
+        weight = jax.lax.dynamic_index_in_dim(weight, layer, 0, keepdims=False)
+        scale = None if scale is None else jax.lax.dynamic_index_in_dim(scale, layer, 0, keepdims=False)
     if scale is not None:
         from pallas_kernels import weight_dequant
 
@@ -118,7 +125,11 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
 
 
 class Experts(nnx.Module):
-    """The routed experts of one MoE layer, stacked (E, out, in) and split over ranks by expert."""
+    """The routed experts of one MoE layer, stacked (E, out, in) and split over ranks by expert.
+
+    Inside the layer scan the module may hold the weights of all its stack's layers (L, E, out,
+    in) with `layer` naming its own: the grouped kernel then reads that layer's experts in place,
+    where slicing them out in the loop would copy every expert's weights at every layer."""
 
     def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), dtype=jnp.bfloat16,
                  rngs: nnx.Rngs | None = None):
@@ -129,13 +140,16 @@ class Experts(nnx.Module):
         self.w3 = Linear(args.dim, args.moe_inter_dim, **common)
 
     def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, indices: jnp.ndarray, gemm_impl: str = "bf16",
-                 scale_fmt: str | None = None, moe_impl: str = "auto") -> jnp.ndarray:
+                 scale_fmt: str | None = None, moe_impl: str = "auto", layer=None) -> jnp.ndarray:
         """This rank's share of sum_k weight_k * expert_k(x): x (N, dim), weights/indices (N, k).
 
         moe_impl "auto" picks the Pallas grouped kernel for decode-sized batches on a GPU, else
         gathers the experts in use when they are few, else `ragged_dot` over all local experts."""
         tokens, topk = indices.shape
-        local_experts = self.w1.weight.shape[0]
+        stacked = self.w1.weight.ndim == 4
+        if stacked != (layer is not None):
+            raise ValueError("Experts: a stack of layers' weights goes with `layer`")
+        local_experts = self.w1.weight.shape[-3]
         first = jax.lax.axis_index(MODEL_AXIS) * local_experts
         local_ids = indices.reshape(-1) - first
         mine = (local_ids >= 0) & (local_ids < local_experts)
@@ -149,21 +163,26 @@ class Experts(nnx.Module):
         # like the sorted rows.
         in_dims = (self.w1.weight.shape[-1], self.w2.weight.shape[-1])
         if moe_impl == "auto":
-            use_kernel = grouped_kernel_applies(tokens * topk, local_experts, in_dims)
+            use_kernel = grouped_kernel_applies(in_dims)
             gather = not use_kernel and 2 * tokens * topk <= local_experts
         else:
             use_kernel, gather = moe_impl == "kernel", moe_impl == "gather"
+        in_layer = (lambda a: a) if not stacked else (  # noqa: E731
+            lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
         if gather:
             used = jnp.unique(sort_key, size=tokens * topk, fill_value=local_experts)
             slot_sizes = jnp.where(used < local_experts, group_sizes[jnp.minimum(used, local_experts - 1)], 0)
-            select = lambda a: jnp.take(a, jnp.minimum(used, local_experts - 1), axis=0)  # noqa: E731
-        else:
+            select = lambda a: jnp.take(in_layer(a), jnp.minimum(used, local_experts - 1), axis=0)  # noqa: E731
+        elif use_kernel:
             slot_sizes, select = group_sizes, lambda a: a  # noqa: E731
+        else:
+            slot_sizes, select = group_sizes, in_layer
 
         def gmm(linear: Linear, inputs):
             scale = None if linear.scale is None else select(linear.scale[...])
             return grouped_matmul(inputs, select(linear.weight[...]), scale, slot_sizes.astype(jnp.int32),
-                                  gemm_impl=gemm_impl, scale_fmt=scale_fmt, use_kernel=use_kernel)
+                                  gemm_impl=gemm_impl, scale_fmt=scale_fmt, use_kernel=use_kernel,
+                                  layer=layer if use_kernel and stacked else None)
 
         hidden = (jax.nn.silu(gmm(self.w1, rows)) * gmm(self.w3, rows)).astype(x.dtype)
         out = gmm(self.w2, hidden) * weights.reshape(-1)[order][:, None]
@@ -182,11 +201,11 @@ class MoE(nnx.Module):
                                   fp8=args.quantized, rngs=rngs) if args.n_shared_experts else None
 
     def __call__(self, x: jnp.ndarray, gemm_impl: str = "bf16", scale_fmt: str | None = None,
-                 moe_impl: str = "auto") -> jnp.ndarray:
+                 moe_impl: str = "auto", layer=None) -> jnp.ndarray:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat)
-        y = self.experts(flat, weights, indices, gemm_impl, scale_fmt, moe_impl)
+        y = self.experts(flat, weights, indices, gemm_impl, scale_fmt, moe_impl, layer)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat, gemm_impl, scale_fmt).astype(jnp.float32)
         return jax.lax.psum(y, MODEL_AXIS).astype(x.dtype).reshape(shape)

@@ -37,23 +37,35 @@ def grouped_gemm_ref(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale
 
 
 def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None,
-                 *, out_dtype=jnp.float32, block_m: int = 16, block_n: int = 64, num_warps: int = 4,
-                 num_stages: int = 3) -> jax.Array:
+                 *, layer: jax.Array | int | None = None, out_dtype=jnp.float32, block_m: int = 16,
+                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
     """Rows of x (M, K), sorted by group, times their group's w (G, N, K) transposed -> (M, N).
 
     Args:
       x: bfloat16/float32 (M, K), K a multiple of 128.
       w: (G, N, K) in x's dtype, or float8_e4m3fn with w_scale float32 (G, ceil(N/128), K/128).
+        With `layer`, w is a stack (L, G, N, K) (w_scale (L, G, ...)) and layer[()] picks one: the
+        kernel indexes the stack itself, so a layer loop need not copy its slice out first.
       group_sizes: int32 (G,): rows of each group, in order; rows past their sum come out zero.
       block_m, block_n: rows and output columns per program (powers of two >= 16; block_n <= 128
         with an fp8 weight, so that one scale covers a tile's columns).
     """
-    m, k = _check(x, w, group_sizes, w_scale, block_m, block_n)
-    groups, n = w.shape[0], w.shape[1]
+    stacked = layer is not None
+    if stacked != (w.ndim == 4):
+        fail(_FN, f"w has shape {tuple(w.shape)}: a stack (L, G, N, K) goes with `layer`, (G, N, K) without")
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    m, k = _check(x, w[0] if stacked else w, group_sizes, None if w_scale is None else
+                  (w_scale[0] if stacked else w_scale), block_m, block_n)
+    n = w.shape[-2]
     interpret = use_interpret()
     if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, w, group_sizes):
+        if stacked:
+            w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
+            w_scale = None if w_scale is None else jax.lax.dynamic_index_in_dim(w_scale, layer, 0, keepdims=False)
         return grouped_gemm_ref(x, w, group_sizes, w_scale, out_dtype)
-    schedule, max_tiles = tile_schedule(group_sizes.astype(jnp.int32), m, block_m)
+    if not stacked:
+        w, w_scale = w[None], None if w_scale is None else w_scale[None]
+    schedule, max_tiles = tile_schedule(group_sizes.astype(jnp.int32), m, block_m, layer)
     vma = vma_union(x, w, group_sizes)
     operands = [schedule, jnp.pad(x, ((0, block_m), (0, 0))), w] + ([w_scale] if w_scale is not None else [])
     operands = match_vma(vma, *operands)
@@ -71,8 +83,9 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: ja
     return out[:m]
 
 
-def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, int]:
-    """int32 (4, T): per tile its group, first row, the group's end row, and 1 if the tile exists.
+def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tuple[jax.Array, int]:
+    """int32 (5, T): per tile its group, first row, the group's end row, 1 if the tile exists, and
+    the weight stack's layer.
 
     T = ceil(M / block_m) + min(G, M) bounds the tiles of any split of M rows into G groups.
     """
@@ -87,7 +100,8 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Arr
     first_tile = tile_ends[group] - tiles[group]
     row = starts[group] + (t - first_tile) * block_m
     exists = (t < tile_ends[-1]).astype(jnp.int32)
-    return jnp.stack([group, row, ends[group], exists]).astype(jnp.int32), max_tiles
+    layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (max_tiles,))
+    return jnp.stack([group, row, ends[group], exists, layers]).astype(jnp.int32), max_tiles
 
 
 def _kernel(sched_ref, x_ref, w_ref, *refs, n, k, block_m, block_n, fp8):
@@ -97,19 +111,22 @@ def _kernel(sched_ref, x_ref, w_ref, *refs, n, k, block_m, block_n, fp8):
 
     @pl.when(sched_ref[3, tile] > 0)
     def _():
-        group, row, end = sched_ref[0, tile], sched_ref[1, tile], sched_ref[2, tile]
+        group, row, end, layer = sched_ref[0, tile], sched_ref[1, tile], sched_ref[2, tile], sched_ref[4, tile]
         row_ok = (row + jnp.arange(block_m)) < end
         col_ok = (j * block_n + jnp.arange(block_n)) < n
         rows, cols = pl.ds(row, block_m), pl.ds(j * block_n, block_n)
 
         def body(kb, acc):
             ks = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
-            xb = plgpu.load(x_ref.at[rows, ks], mask=row_ok[:, None], other=0)
-            wb = plgpu.load(w_ref.at[group, cols, ks], mask=col_ok[:, None], other=0)
+            # masked rows / columns hold garbage that reaches only output rows / columns not stored
+            xb = plgpu.load(x_ref.at[rows, ks], mask=row_ok[:, None])
+            wb = plgpu.load(w_ref.at[layer, group, cols, ks], mask=col_ok[:, None])
             if fp8:
-                scale = scale_ref[group, (j * block_n) // BLOCK, kb]
+                scale = scale_ref[layer, group, (j * block_n) // BLOCK, kb]
                 wb = (wb.astype(jnp.float32) * scale).astype(xb.dtype)
-            return acc + jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            precision = jax.lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None  # no tf32 for float32
+            return acc + jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), precision=precision,
+                                             preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, k // BLOCK, body, jnp.zeros((block_m, block_n), jnp.float32))
         plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])

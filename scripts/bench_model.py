@@ -189,18 +189,18 @@ def main() -> None:
     print(f"built {args.n_layers} layers ({params / 1e9:.2f} G parameters, {args.dtype} weights) in {build_s:.1f} s")
 
     rows = []
-    for batch in prefill_batches:
-        result = bench_prefill(model, batch, opts.prefill_len, opts.repeats)
-        flops = prefill_flops(args, batch, opts.prefill_len)
-        result.update(kind="prefill", tflops=flops / result["seconds"] / 1e12)
-        rows.append(result)
-        print(flush=True)
-        print(f"prefill b={batch} x {opts.prefill_len}: {result['tok_per_s']:,.0f} tok/s "
-              f"({result['seconds'] * 1e3:.2f} ms, {result['tflops']:.0f} TFLOP/s, compile {result['compile_s']:.1f} s)")
     for moe_impl in opts.moe_impls.split(","):
         runner = model if moe_impl == model.moe_impl else dsv3_jax.Model(
             args, model.graphdef, model.state, model.mesh, dtype=model.dtype, attn_impl=model.attn_impl,
             gemm_impl=model.gemm_impl, moe_impl=moe_impl)
+        for batch in prefill_batches:
+            result = bench_prefill(runner, batch, opts.prefill_len, opts.repeats)
+            flops = prefill_flops(args, batch, opts.prefill_len)
+            result.update(kind="prefill", moe_impl=moe_impl, tflops=flops / result["seconds"] / 1e12)
+            rows.append(result)
+            print(f"prefill b={batch} x {opts.prefill_len} moe={moe_impl}: {result['tok_per_s']:,.0f} tok/s "
+                  f"({result['seconds'] * 1e3:.2f} ms, {result['tflops']:.0f} TFLOP/s, "
+                  f"compile {result['compile_s']:.1f} s)", flush=True)
         for batch in decode_batches:
             result = bench_decode(runner, batch, opts.context, opts.steps)
             context = opts.context + opts.steps // 2
@@ -236,7 +236,7 @@ def main() -> None:
              "| run | tok/s | ms/step | bytes/step | GB/s | % roofline | compile s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] == "prefill":
-            lines.append(f"| prefill {r['batch']}x{r['length']} | {r['tok_per_s']:,.0f} | {r['seconds'] * 1e3:.2f} | "
+            lines.append(f"| prefill {r['batch']}x{r['length']} ({r['moe_impl']}) | {r['tok_per_s']:,.0f} | {r['seconds'] * 1e3:.2f} | "
                          f"- | - | {r['tflops']:.0f} TFLOP/s | {r['compile_s']:.1f} |")
         else:
             lines.append(f"| decode b={r['batch']} ({r['moe_impl']}) | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "

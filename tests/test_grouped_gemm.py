@@ -56,12 +56,26 @@ def test_grouped_gemm_interpret(sizes, n, k, block_m, block_n, fp8):
     check(sizes, n, k, block_m, block_n, fp8)
 
 
+def test_layer_of_a_weight_stack():
+    """With `layer`, the kernel reads w[layer] of a (L, G, N, K) stack itself."""
+    rng = np.random.default_rng(5)
+    sizes = [2, 0, 3]
+    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.float32)
+    stack = jnp.asarray(rng.standard_normal((4, 3, 64, 256)), jnp.float32)
+    for layer in (0, 2):
+        got = np.asarray(grouped_gemm(x, stack, jnp.array(sizes, jnp.int32), layer=jnp.int32(layer)))
+        expected = float64_oracle(x, stack[layer], sizes)
+        assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 1e-5
+    with pytest.raises(ValueError, match="goes with `layer`"):
+        grouped_gemm(x, stack, jnp.array(sizes, jnp.int32))
+
+
 def test_tile_schedule_covers_every_row_once():
     sizes = jnp.array([0, 35, 1, 0, 16, 17], jnp.int32)
     schedule, max_tiles = np.asarray(tile_schedule(sizes, 69, 16)[0]), tile_schedule(sizes, 69, 16)[1]
     assert max_tiles == 5 + 6
     owner = np.full(69, -1)
-    for group, row, end, exists in schedule.T:
+    for group, row, end, exists, _ in schedule.T:
         if exists:
             for r in range(row, min(row + 16, end)):
                 assert owner[r] == -1
@@ -89,6 +103,11 @@ def test_grouped_gemm_compiled_on_gpu(fp8):
     for sizes, n, k, block_m, block_n in CASES + [([1] * 6 + [0] * 58, 1408, 2048, 16, 64),
                                                    ([2, 0, 7, 1] * 8, 2048, 1408, 16, 64)]:
         check(sizes, n, k, block_m, block_n, fp8)
+
+
+@pytest.mark.gpu
+def test_layer_of_a_weight_stack_on_gpu():
+    test_layer_of_a_weight_stack()
 
 
 @pytest.mark.gpu
