@@ -33,7 +33,7 @@ MOE_IMPLS = ("auto", "kernel", "gather", "ragged")
 
 
 def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, attn_impl: str, gemm_impl: str,
-              moe_impl: str = "auto"):
+              moe_impl: str = "auto", unroll: bool = False):
     """The jitted forward step `(state, cache, tokens, start_pos, last_index, *, kv_len) -> (logits, cache)`.
 
     tokens (B, S) int32; start_pos (B,) int32, each row's position of tokens[:, 0]; last_index (B,)
@@ -47,7 +47,7 @@ def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, 
     def local_step(state, cache, tokens, positions, last_index, kv_len):
         model = nnx.merge(graphdef, state)
         cos, sin = rotary_angles(positions, inv_freq, args.rope_attention_factor)
-        ctx = StepContext(positions, cos, sin, kv_len, attn_impl, gemm_impl, args.scale_fmt, moe_impl)
+        ctx = StepContext(positions, cos, sin, kv_len, attn_impl, gemm_impl, args.scale_fmt, moe_impl, unroll)
         return model(tokens, ctx, cache, last_index)
 
     def step(state, cache, tokens, start_pos, last_index, *, kv_len: int):
@@ -69,10 +69,11 @@ class Model:
     """A DeepSeek-V2/V3 model on a mesh, with its cache and jitted step (see `make_step`)."""
 
     def __init__(self, args: ModelArgs, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh, *,
-                 dtype=jnp.bfloat16, attn_impl: str = "absorb", gemm_impl: str = "bf16", moe_impl: str = "auto"):
+                 dtype=jnp.bfloat16, attn_impl: str = "absorb", gemm_impl: str = "bf16", moe_impl: str = "auto",
+                 unroll: bool = False):
         self.args, self.graphdef, self.state, self.mesh = args, graphdef, state, mesh
         self.dtype, self.attn_impl, self.gemm_impl, self.moe_impl = dtype, attn_impl, gemm_impl, moe_impl
-        self.step = make_step(graphdef, partition_specs(state), args, mesh, attn_impl, gemm_impl, moe_impl)
+        self.step = make_step(graphdef, partition_specs(state), args, mesh, attn_impl, gemm_impl, moe_impl, unroll)
         self.cache = allocate_cache(args, attn_impl, mesh, dtype)
 
     def reset_cache(self) -> None:

@@ -31,6 +31,7 @@ class StepContext:
     gemm_impl: str = "bf16"
     scale_fmt: str | None = None
     moe_impl: str = "auto"  # routed-expert GEMM: "auto", "kernel" (Pallas grouped), "gather", "ragged"
+    unroll: bool = False  # unroll the layer scans (longer compile, no loop between layers)
 
 
 def insert_rows(window: jnp.ndarray, values: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:

@@ -55,7 +55,7 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict, first
         block = nnx.merge(graphdef, routed, layer_state)
         return block(h, ctx, cache, first_layer + index, index if has_routed else None)
 
-    return jax.lax.scan(one_layer, x, (rest, jnp.arange(depth)))
+    return jax.lax.scan(one_layer, x, (rest, jnp.arange(depth)), unroll=depth if ctx.unroll else 1)
 
 
 class Transformer(nnx.Module):

@@ -161,6 +161,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="tokens in the cache before decoding")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--unroll", action="store_true", help="unroll the layer scans")
     parser.add_argument("--tag", default="", help="suffix for the output file names")
     parser.add_argument("--out-dir", default="benchmarks")
     opts = parser.parse_args()
@@ -183,6 +184,9 @@ def main() -> None:
     t0 = time.perf_counter()
     model = dsv3_jax.build(args, seed=0, dtype="bfloat16", attn_impl=opts.attn_impl, gemm_impl=opts.gemm_impl,
                            num_devices=opts.num_devices)
+    if opts.unroll:
+        model = dsv3_jax.Model(args, model.graphdef, model.state, model.mesh, dtype=model.dtype,
+                               attn_impl=model.attn_impl, gemm_impl=model.gemm_impl, unroll=True)
     jax.block_until_ready(model.state)
     build_s = time.perf_counter() - t0
     params = sum(x.size for x in jax.tree.leaves(model.state))
@@ -192,7 +196,7 @@ def main() -> None:
     for moe_impl in opts.moe_impls.split(","):
         runner = model if moe_impl == model.moe_impl else dsv3_jax.Model(
             args, model.graphdef, model.state, model.mesh, dtype=model.dtype, attn_impl=model.attn_impl,
-            gemm_impl=model.gemm_impl, moe_impl=moe_impl)
+            gemm_impl=model.gemm_impl, moe_impl=moe_impl, unroll=opts.unroll)
         for batch in prefill_batches:
             result = bench_prefill(runner, batch, opts.prefill_len, opts.repeats)
             flops = prefill_flops(args, batch, opts.prefill_len)
