@@ -94,7 +94,7 @@ def read_tensor(file: SafetensorsFile, name: str, window=()) -> np.ndarray:
     try:
         return np.array(file.tensor(name)[window])
     finally:
-        file._map = None  # SafetensorsFile maps lazily again on the next read
+        file.release()
 
 
 class SafetensorsWriter:

@@ -69,6 +69,10 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self.entries)
 
+    def release(self) -> None:
+        """Drop the file mapping (pages read so far leave the process); the next read maps again."""
+        self._map = None
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self.entries[name][1]
 

@@ -23,7 +23,8 @@ find_python() {
   return 1
 }
 
-stamp_of() { sha256sum pyproject.toml | cut -c1-16; }
+# pyproject.toml and the set of packages: an editable install maps only the packages present when it ran
+stamp_of() { { cat pyproject.toml; ls -d */__init__.py 2>/dev/null; } | sha256sum | cut -c1-16; }
 
 if [ -x .venv/bin/python ] && [ "$(cat .venv/.dsv3-stamp 2>/dev/null)" = "$(stamp_of)" ]; then
   exit 0

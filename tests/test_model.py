@@ -141,3 +141,23 @@ def test_bfloat16_close_to_float32(checkpoints):
     assert b.dtype == np.float32
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.05
 
+
+
+def _program_size(**changes) -> int:
+    """Characters of the lowered (StableHLO) decode step of a random tiny model."""
+    base = dict(vocab_size=256, dim=64, inter_dim=96, moe_inter_dim=32, n_layers=3, n_dense_layers=1, n_heads=4,
+                n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, n_expert_groups=2, n_limited_groups=1,
+                score_func="sigmoid", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, max_batch_size=2, max_seq_len=64)
+    model = dsv3_jax.build(dsv3_jax.ModelArgs(**{**base, **changes}), dtype="float32")
+    zeros = np.zeros((2,), np.int32)
+    lowered = model.step.lower(model.state, model.cache, np.zeros((2, 1), np.int32), zeros, zeros, kv_len=64)
+    return len(lowered.as_text())
+
+
+def test_program_does_not_grow_with_depth_or_experts():
+    """Layers run in a scan and experts through one grouped GEMM: 4x the depth or the experts
+    leaves the compiled program the same size (only shapes in it change)."""
+    small = _program_size()
+    assert _program_size(n_layers=12, n_dense_layers=4) < 1.02 * small
+    assert _program_size(n_routed_experts=32, n_expert_groups=4, n_limited_groups=2) < 1.02 * small
