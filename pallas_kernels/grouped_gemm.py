@@ -96,7 +96,9 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tupl
     tiles = (group_sizes + block_m - 1) // block_m
     tile_ends = jnp.cumsum(tiles)
     t = jnp.arange(max_tiles, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), groups - 1).astype(jnp.int32)
+    # compare_all: one fused comparison; the default "scan" method is a loop (a device round trip per
+    # iteration on a GPU) that would run inside every MoE layer
+    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right", method="compare_all"), groups - 1).astype(jnp.int32)
     first_tile = tile_ends[group] - tiles[group]
     row = starts[group] + (t - first_tile) * block_m
     exists = (t < tile_ends[-1]).astype(jnp.int32)
