@@ -6,6 +6,10 @@ writes benchmarks/model-<gpu>-<config>.json and .md.
 
     python scripts/bench_model.py --config ../shared/fixtures/reference-configs/config_16B.json
     python scripts/bench_model.py --config config_671B.json --layers 4 --gemm-impl fp8
+
+Several processes (one per GPU): start it once per process with --coordinator-address,
+--num-processes and --process-id (or the JAX_* variables); the mesh spans every process's devices
+and process 0 prints and writes the results.
 """
 from __future__ import annotations
 
@@ -96,10 +100,11 @@ def timed(fn, repeats: int) -> float:
 
 
 def bench_prefill(model, batch: int, length: int, repeats: int) -> dict:
+    # host inputs are numpy (the same on every process), which jit places on a mesh spanning processes
     rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(0, model.args.vocab_size, (batch, length)), jnp.int32)
-    start = jnp.zeros((batch,), jnp.int32)
-    last = jnp.full((batch,), length - 1, jnp.int32)
+    tokens = rng.integers(0, model.args.vocab_size, (batch, length)).astype(np.int32)
+    start = np.zeros((batch,), np.int32)
+    last = np.full((batch,), length - 1, np.int32)
     window = dsv3_jax.cache_window(length, model.args.max_seq_len)
 
     def run():
@@ -118,14 +123,15 @@ def bench_decode(model, batch: int, context: int, steps: int) -> dict:
     """`steps` decode steps after a prefill of `context` tokens, greedy tokens kept on the device."""
     rng = np.random.default_rng(1)
     args = model.args
-    prompt = jnp.asarray(rng.integers(0, args.vocab_size, (batch, context)), jnp.int32)
+    prompt = rng.integers(0, args.vocab_size, (batch, context)).astype(np.int32)
     window = dsv3_jax.cache_window(context + 2 * steps + 1, args.max_seq_len)
-    zeros = jnp.zeros((batch,), jnp.int32)
+    zeros = np.zeros((batch,), np.int32)
+    greedy = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None])
     logits, model.cache = model.step(model.state, model.cache, prompt, zeros, zeros + context - 1, kv_len=window)
 
     def decode(n, logits, position):
         for _ in range(n):
-            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
+            token = greedy(logits)
             logits, model.cache = model.step(model.state, model.cache, token, position, zeros, kv_len=window)
             position = position + 1
         return logits, position
@@ -164,7 +170,15 @@ def main() -> None:
     parser.add_argument("--unroll", action="store_true", help="unroll the layer scans")
     parser.add_argument("--tag", default="", help="suffix for the output file names")
     parser.add_argument("--out-dir", default="benchmarks")
+    parser.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
+    parser.add_argument("--num-processes", type=int, default=None)
+    parser.add_argument("--process-id", type=int, default=None)
     opts = parser.parse_args()
+    from dsv3_jax.chat import start_distributed
+
+    start_distributed(opts)
+    leader = jax.process_index() == 0
+    say = print if leader else (lambda *a, **k: None)
 
     args = ModelArgs.from_reference_json(opts.config)
     decode_batches = [int(b) for b in opts.decode_batches.split(",") if b]
@@ -177,9 +191,9 @@ def main() -> None:
     if opts.weights:
         changes["dtype"] = opts.weights
     args = args.replace(**changes)
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     bandwidth = copy_bandwidth(device)
-    print(f"device {device.device_kind}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    say(f"device {device.device_kind}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
 
     t0 = time.perf_counter()
     model = dsv3_jax.build(args, seed=0, dtype="bfloat16", attn_impl=opts.attn_impl, gemm_impl=opts.gemm_impl,
@@ -190,7 +204,7 @@ def main() -> None:
     jax.block_until_ready(model.state)
     build_s = time.perf_counter() - t0
     params = sum(x.size for x in jax.tree.leaves(model.state))
-    print(f"built {args.n_layers} layers ({params / 1e9:.2f} G parameters, {args.dtype} weights) in {build_s:.1f} s")
+    say(f"built {args.n_layers} layers ({params / 1e9:.2f} G parameters, {args.dtype} weights) in {build_s:.1f} s")
 
     rows = []
     for moe_impl in opts.moe_impls.split(","):
@@ -202,7 +216,7 @@ def main() -> None:
             flops = prefill_flops(args, batch, opts.prefill_len)
             result.update(kind="prefill", moe_impl=moe_impl, tflops=flops / result["seconds"] / 1e12)
             rows.append(result)
-            print(f"prefill b={batch} x {opts.prefill_len} moe={moe_impl}: {result['tok_per_s']:,.0f} tok/s "
+            say(f"prefill b={batch} x {opts.prefill_len} moe={moe_impl}: {result['tok_per_s']:,.0f} tok/s "
                   f"({result['seconds'] * 1e3:.2f} ms, {result['tflops']:.0f} TFLOP/s, "
                   f"compile {result['compile_s']:.1f} s)", flush=True)
         for batch in decode_batches:
@@ -214,7 +228,7 @@ def main() -> None:
                           achieved_gb_s=bytes_read / (result["ms_per_step"] / 1e3) / 1e9,
                           pct_roofline=100 * floor_ms / result["ms_per_step"])
             rows.append(result)
-            print(f"decode b={batch} moe={moe_impl}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
+            say(f"decode b={batch} moe={moe_impl}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
                   f"ms/step (floor {floor_ms:.3f} ms = {bytes_read / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s: "
                   f"{result['pct_roofline']:.0f}% of roofline; compile {result['compile_s']:.1f} s)", flush=True)
         if runner is not model:
@@ -224,18 +238,21 @@ def main() -> None:
     name = Path(opts.config).stem.replace("config_", "")
     gpu = device.device_kind.lower().replace("nvidia ", "").replace(" ", "-")
     record = {
-        "gpu": device.device_kind, "devices": opts.num_devices, "config": Path(opts.config).name,
+        "gpu": device.device_kind, "devices": model.mesh.devices.size, "config": Path(opts.config).name,
         "layers": args.n_layers, "dense_layers": args.n_dense_layers, "weights": args.dtype,
         "gemm_impl": opts.gemm_impl, "attn_impl": opts.attn_impl, "jax": jax.__version__,
         "python": platform.python_version(), "date": datetime.date.today().isoformat(),
         "copy_bandwidth_tb_s": bandwidth / 1e12, "build_s": build_s, "peak_device_bytes": peak, "rows": rows,
     }
+    record["processes"] = jax.process_count()
+    if not leader:
+        return
     out = Path(opts.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"model-{gpu}-{name}{'-' + opts.tag if opts.tag else ''}"
     (out / f"{stem}.json").write_text(json.dumps(record, indent=2))
     lines = [f"# {name}: {args.n_layers} layers, {args.dtype} weights, gemm_impl {opts.gemm_impl}",
-             "", f"{device.device_kind} x{opts.num_devices}, jax {jax.__version__}, {record['date']}; "
+             "", f"{device.device_kind} x{model.mesh.devices.size} ({jax.process_count()} process(es)), jax {jax.__version__}, {record['date']}; "
              f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; peak device memory {peak / 2**30:.1f} GiB", "",
              "| run | tok/s | ms/step | bytes/step | GB/s | % roofline | compile s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
