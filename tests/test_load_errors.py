@@ -126,3 +126,15 @@ def test_forward_input_errors(tiny):
     for tokens, start, message in cases:
         with pytest.raises(ValueError, match=message):
             model.forward(tokens, start)
+
+
+def test_explicit_mesh(tiny):
+    """load(mesh=...) uses the caller's mesh (here the last two devices) and gives the 1-device logits."""
+    from dsv3_jax.sharding import make_mesh
+    import jax
+
+    mesh = make_mesh(devices=jax.devices()[2:4])
+    model = dsv3_jax.load(tiny[1], dtype="float32", mesh=mesh, max_batch_size=1, max_seq_len=16)
+    assert model.mesh is mesh and {d.id for d in model.state["head"]["weight"][...].sharding.device_set} == {
+        d.id for d in jax.devices()[2:4]}
+    np.testing.assert_allclose(np.asarray(model.forward(np.arange(5)[None], 0)), _logits(tiny[1]), atol=2e-5)
