@@ -141,9 +141,25 @@ def load_state(index: TensorIndex, abstract_state: nnx.State, args: ModelArgs, m
                              for l in layers])
 
         sharding = NamedSharding(mesh, spec_of[key])
-        array = jax.make_array_from_callback(target.shape, sharding, callback)
-        filled.append((path, variable.replace(array)))
+        filled.append((path, variable.replace(_place_shards(target.shape, sharding, callback))))
     return nnx.from_flat_state(filled)
+
+
+def _place_shards(shape, sharding: NamedSharding, read) -> jax.Array:
+    """Build a global array shard by shard: read one device's window on the host, copy it to the
+    device, drop it, go on. Host memory holds one shard at a time (not the whole parameter, as
+    `jax.make_array_from_callback` would), and devices sharing a window share one read."""
+    windows: dict[tuple, list] = {}
+    for device, window in sharding.addressable_devices_indices_map(shape).items():
+        windows.setdefault(tuple((s.start, s.stop, s.step) for s in window), []).append((device, window))
+    shards = []
+    for group in windows.values():
+        host = read(group[0][1])
+        placed = [jax.device_put(host, device) for device, _ in group]
+        jax.block_until_ready(placed)  # the host copy is released before the next read
+        shards += placed
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
 def find_config(directory: Path) -> Path:
