@@ -30,10 +30,11 @@ DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32
 ATTN_IMPLS = ("absorb", "naive")
 GEMM_IMPLS = ("bf16", "fp8")
 MOE_IMPLS = ("auto", "kernel", "gather", "ragged")
+DECODE_ATTNS = ("xla", "kernel")
 
 
 def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, attn_impl: str, gemm_impl: str,
-              moe_impl: str = "auto", unroll: bool = False):
+              moe_impl: str = "auto", unroll: bool = False, decode_attn: str = "xla"):
     """The jitted forward step `(state, cache, tokens, start_pos, last_index, *, kv_len) -> (logits, cache)`.
 
     tokens (B, S) int32; start_pos (B,) int32, each row's position of tokens[:, 0]; last_index (B,)
@@ -47,7 +48,8 @@ def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, 
     def local_step(state, cache, tokens, positions, last_index, kv_len):
         model = nnx.merge(graphdef, state)
         cos, sin = rotary_angles(positions, inv_freq, args.rope_attention_factor)
-        ctx = StepContext(positions, cos, sin, kv_len, attn_impl, gemm_impl, args.scale_fmt, moe_impl, unroll)
+        ctx = StepContext(positions, cos, sin, kv_len, attn_impl, gemm_impl, args.scale_fmt, moe_impl, unroll,
+                          decode_attn)
         return model(tokens, ctx, cache, last_index)
 
     def step(state, cache, tokens, start_pos, last_index, *, kv_len: int):
@@ -70,10 +72,13 @@ class Model:
 
     def __init__(self, args: ModelArgs, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh, *,
                  dtype=jnp.bfloat16, attn_impl: str = "absorb", gemm_impl: str = "bf16", moe_impl: str = "auto",
-                 unroll: bool = False):
+                 unroll: bool = False, decode_attn: str = "xla"):
+        if decode_attn not in DECODE_ATTNS:
+            raise ValueError(f"decode_attn must be one of {DECODE_ATTNS}, got {decode_attn!r}")
         self.args, self.graphdef, self.state, self.mesh = args, graphdef, state, mesh
         self.dtype, self.attn_impl, self.gemm_impl, self.moe_impl = dtype, attn_impl, gemm_impl, moe_impl
-        self.step = make_step(graphdef, partition_specs(state), args, mesh, attn_impl, gemm_impl, moe_impl, unroll)
+        self.step = make_step(graphdef, partition_specs(state), args, mesh, attn_impl, gemm_impl, moe_impl, unroll,
+                              decode_attn)
         self.cache = allocate_cache(args, attn_impl, mesh, dtype)
 
     def reset_cache(self) -> None:
@@ -140,7 +145,7 @@ def _mesh_for(args: ModelArgs, num_devices: int, mesh: Mesh | None) -> Mesh:
 
 def load(path, *, dtype: str = "bfloat16", attn_impl: str = "absorb", gemm_impl: str = "bf16",
          num_devices: int = 1, mesh: Mesh | None = None, max_batch_size: int = 8, max_seq_len: int = 4096,
-         config=None, moe_impl: str = "auto") -> Model:
+         config=None, moe_impl: str = "auto", decode_attn: str = "xla") -> Model:
     """Load a checkpoint directory onto `num_devices` devices (or `mesh`), each device reading its own shard.
 
     The directory holds a Hugging Face checkpoint (config.json + *.safetensors), the reference's
@@ -182,11 +187,12 @@ def load(path, *, dtype: str = "bfloat16", attn_impl: str = "absorb", gemm_impl:
         graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Transformer(args, dtype=compute_dtype)))
         state = load_state(index, abstract_state, args, mesh, naming)
     return Model(args, graphdef, state, mesh, dtype=compute_dtype, attn_impl=attn_impl, gemm_impl=gemm_impl,
-                 moe_impl=moe_impl)
+                 moe_impl=moe_impl, decode_attn=decode_attn)
 
 
 def build(args: ModelArgs, *, seed: int = 0, dtype: str = "bfloat16", attn_impl: str = "absorb",
-          gemm_impl: str = "bf16", num_devices: int = 1, mesh: Mesh | None = None, moe_impl: str = "auto") -> Model:
+          gemm_impl: str = "bf16", num_devices: int = 1, mesh: Mesh | None = None, moe_impl: str = "auto",
+          decode_attn: str = "xla") -> Model:
     """A model with random weights generated directly on the mesh shards (benchmarks, demos)."""
     compute_dtype = _resolve_options(dtype, attn_impl, gemm_impl, moe_impl)
     if args.gate_bias is None:
@@ -198,4 +204,4 @@ def build(args: ModelArgs, *, seed: int = 0, dtype: str = "bfloat16", attn_impl:
     make = jax.jit(lambda: nnx.split(Transformer(args, dtype=compute_dtype, rngs=nnx.Rngs(seed)))[1],
                    out_shardings=shardings)
     return Model(args, graphdef, make(), mesh, dtype=compute_dtype, attn_impl=attn_impl, gemm_impl=gemm_impl,
-                 moe_impl=moe_impl)
+                 moe_impl=moe_impl, decode_attn=decode_attn)

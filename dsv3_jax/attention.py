@@ -32,6 +32,7 @@ class StepContext:
     scale_fmt: str | None = None
     moe_impl: str = "auto"  # routed-expert GEMM: "auto", "kernel" (Pallas grouped), "gather", "ragged"
     unroll: bool = False  # unroll the layer scans (longer compile, no loop between layers)
+    decode_attn: str = "xla"  # absorbed attention of single-token steps: "xla" einsums or the Pallas "kernel"
 
 
 def insert_rows(window: jnp.ndarray, values: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
@@ -127,14 +128,22 @@ class MLA(nnx.Module):
         else:
             wkv_b = self.wkv_b.dequantized(x.dtype).reshape(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
             entries = dict(kv=latent, pe=k_pe)
-            latents = insert_rows(read_cache(cache["kv"], layer, batch, ctx.kv_len), latent, ctx.positions)
-            rotary_keys = insert_rows(read_cache(cache["pe"], layer, batch, ctx.kv_len), k_pe, ctx.positions)
             q_latent = _einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : self.nope_dim]).astype(x.dtype)
-            scores = (_einsum("bshc,btc->bsht", q_latent, latents)
-                      + _einsum("bshr,btr->bsht", q_pe, rotary_keys)) * self.softmax_scale
-            probs = _softmax(scores, visible).astype(x.dtype)
-            out = _einsum("bsht,btc->bshc", probs, latents).astype(x.dtype)
-            out = _einsum("bshc,hdc->bshd", out, wkv_b[:, self.nope_dim:]).astype(x.dtype)
+            if ctx.decode_attn == "kernel" and seq == 1:
+                from pallas_kernels.mla_decode import mla_decode
+
+                # read in place: cache positions < p are the row's older tokens, plus its new entry
+                out_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], cache["kv"], cache["pe"], layer,
+                                        ctx.positions[:, 0], latent[:, 0], k_pe[:, 0], scale=self.softmax_scale,
+                                        kv_len=ctx.kv_len)[:, None].astype(x.dtype)
+            else:
+                latents = insert_rows(read_cache(cache["kv"], layer, batch, ctx.kv_len), latent, ctx.positions)
+                rotary_keys = insert_rows(read_cache(cache["pe"], layer, batch, ctx.kv_len), k_pe, ctx.positions)
+                scores = (_einsum("bshc,btc->bsht", q_latent, latents)
+                          + _einsum("bshr,btr->bsht", q_pe, rotary_keys)) * self.softmax_scale
+                probs = _softmax(scores, visible).astype(x.dtype)
+                out_latent = _einsum("bsht,btc->bshc", probs, latents).astype(x.dtype)
+            out = _einsum("bshc,hdc->bshd", out_latent, wkv_b[:, self.nope_dim:]).astype(x.dtype)
         return self.wo(out.reshape(batch, seq, -1), reduce=True, **gemm), entries
 
 

@@ -168,6 +168,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--unroll", action="store_true", help="unroll the layer scans")
+    parser.add_argument("--decode-attns", default="xla", help="decode attention paths to time, e.g. xla,kernel")
     parser.add_argument("--tag", default="", help="suffix for the output file names")
     parser.add_argument("--out-dir", default="benchmarks")
     parser.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
@@ -198,25 +199,24 @@ def main() -> None:
     t0 = time.perf_counter()
     model = dsv3_jax.build(args, seed=0, dtype="bfloat16", attn_impl=opts.attn_impl, gemm_impl=opts.gemm_impl,
                            num_devices=opts.num_devices)
-    if opts.unroll:
-        model = dsv3_jax.Model(args, model.graphdef, model.state, model.mesh, dtype=model.dtype,
-                               attn_impl=model.attn_impl, gemm_impl=model.gemm_impl, unroll=True)
     jax.block_until_ready(model.state)
     build_s = time.perf_counter() - t0
     params = sum(x.size for x in jax.tree.leaves(model.state))
     say(f"built {args.n_layers} layers ({params / 1e9:.2f} G parameters, {args.dtype} weights) in {build_s:.1f} s")
 
     rows = []
-    for moe_impl in opts.moe_impls.split(","):
-        runner = model if moe_impl == model.moe_impl else dsv3_jax.Model(
-            args, model.graphdef, model.state, model.mesh, dtype=model.dtype, attn_impl=model.attn_impl,
-            gemm_impl=model.gemm_impl, moe_impl=moe_impl, unroll=opts.unroll)
+    variants = [(m, a) for m in opts.moe_impls.split(",") for a in opts.decode_attns.split(",")]
+    for moe_impl, decode_attn in variants:
+        runner = dsv3_jax.Model(args, model.graphdef, model.state, model.mesh, dtype=model.dtype,
+                                attn_impl=model.attn_impl, gemm_impl=model.gemm_impl, moe_impl=moe_impl,
+                                unroll=opts.unroll, decode_attn=decode_attn)
+        model.cache = None  # one cache at a time on the device
         for batch in prefill_batches:
             result = bench_prefill(runner, batch, opts.prefill_len, opts.repeats)
             flops = prefill_flops(args, batch, opts.prefill_len)
-            result.update(kind="prefill", moe_impl=moe_impl, tflops=flops / result["seconds"] / 1e12)
+            result.update(kind="prefill", moe_impl=moe_impl, decode_attn=decode_attn, tflops=flops / result["seconds"] / 1e12)
             rows.append(result)
-            say(f"prefill b={batch} x {opts.prefill_len} moe={moe_impl}: {result['tok_per_s']:,.0f} tok/s "
+            say(f"prefill b={batch} x {opts.prefill_len} moe={moe_impl} attn={decode_attn}: {result['tok_per_s']:,.0f} tok/s "
                   f"({result['seconds'] * 1e3:.2f} ms, {result['tflops']:.0f} TFLOP/s, "
                   f"compile {result['compile_s']:.1f} s)", flush=True)
         for batch in decode_batches:
@@ -224,15 +224,14 @@ def main() -> None:
             context = opts.context + opts.steps // 2
             bytes_read = decode_bytes(args, batch, context, 2) / opts.num_devices
             floor_ms = bytes_read / bandwidth * 1e3
-            result.update(kind="decode", moe_impl=moe_impl, bytes_per_step=bytes_read, floor_ms=floor_ms,
+            result.update(kind="decode", moe_impl=moe_impl, decode_attn=decode_attn, bytes_per_step=bytes_read, floor_ms=floor_ms,
                           achieved_gb_s=bytes_read / (result["ms_per_step"] / 1e3) / 1e9,
                           pct_roofline=100 * floor_ms / result["ms_per_step"])
             rows.append(result)
-            say(f"decode b={batch} moe={moe_impl}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
+            say(f"decode b={batch} moe={moe_impl} attn={decode_attn}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
                   f"ms/step (floor {floor_ms:.3f} ms = {bytes_read / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s: "
                   f"{result['pct_roofline']:.0f}% of roofline; compile {result['compile_s']:.1f} s)", flush=True)
-        if runner is not model:
-            del runner
+        runner.cache = None
     stats = device.memory_stats() or {}
     peak = stats.get("peak_bytes_in_use", 0)
     name = Path(opts.config).stem.replace("config_", "")
@@ -257,10 +256,10 @@ def main() -> None:
              "| run | tok/s | ms/step | bytes/step | GB/s | % roofline | compile s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] == "prefill":
-            lines.append(f"| prefill {r['batch']}x{r['length']} ({r['moe_impl']}) | {r['tok_per_s']:,.0f} | {r['seconds'] * 1e3:.2f} | "
+            lines.append(f"| prefill {r['batch']}x{r['length']} ({r['moe_impl']}, {r['decode_attn']}) | {r['tok_per_s']:,.0f} | {r['seconds'] * 1e3:.2f} | "
                          f"- | - | {r['tflops']:.0f} TFLOP/s | {r['compile_s']:.1f} |")
         else:
-            lines.append(f"| decode b={r['batch']} ({r['moe_impl']}) | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "
+            lines.append(f"| decode b={r['batch']} ({r['moe_impl']}, {r['decode_attn']}) | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "
                          f"{r['bytes_per_step'] / 1e9:.2f} GB | {r['achieved_gb_s']:,.0f} | {r['pct_roofline']:.0f}% | "
                          f"{r['compile_s']:.1f} |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")

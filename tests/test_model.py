@@ -65,16 +65,17 @@ def test_prefill_and_decode_match_hf(checkpoints, name):
 
 
 @pytest.mark.parametrize("name", ["v3", "v2"])
-def test_naive_absorb_and_four_devices_agree_with_hf(checkpoints, name):
+def test_naive_absorb_kernel_and_four_devices_agree_with_hf(checkpoints, name):
     hf, directory = checkpoints[name]
     tokens = tokens_for(2)
     expected = hf_step_logits(hf, tokens, PREFILL, STEPS)
-    for attn_impl, devices in (("naive", 1), ("absorb", 4), ("naive", 4)):
+    for attn_impl, devices, decode_attn in (("naive", 1, "xla"), ("absorb", 4, "xla"), ("naive", 4, "xla"),
+                                            ("absorb", 1, "kernel"), ("absorb", 4, "kernel")):
         model = dsv3_jax.load(directory, dtype="float32", attn_impl=attn_impl, num_devices=devices,
-                              max_batch_size=2, max_seq_len=32)
+                              max_batch_size=2, max_seq_len=32, decode_attn=decode_attn)
         assert model.mesh.devices.size == devices
         diff = max_diff(run_steps(model, tokens, PREFILL, STEPS), expected)
-        print(f"{name} {attn_impl} on {devices} devices: max |logit diff| vs HF = {diff:.2e}")
+        print(f"{name} {attn_impl} ({decode_attn} decode) on {devices} devices: max |logit diff| vs HF = {diff:.2e}")
         assert diff <= TOL
 
 
