@@ -143,8 +143,8 @@ class Experts(nnx.Module):
                  scale_fmt: str | None = None, moe_impl: str = "auto", layer=None) -> jnp.ndarray:
         """This rank's share of sum_k weight_k * expert_k(x): x (N, dim), weights/indices (N, k).
 
-        moe_impl "auto" picks the Pallas grouped kernel for decode-sized batches on a GPU, else
-        gathers the experts in use when they are few, else `ragged_dot` over all local experts."""
+        moe_impl "auto" picks the Pallas grouped kernel on a GPU; elsewhere it gathers the experts
+        in use when they are few (decoding), else runs `ragged_dot` over all local experts."""
         tokens, topk = indices.shape
         stacked = self.w1.weight.ndim == 4
         if stacked != (layer is not None):
@@ -158,9 +158,9 @@ class Experts(nnx.Module):
         token_of = order // topk
         group_sizes = jnp.bincount(jnp.where(mine, local_ids, local_experts), length=local_experts + 1)[:-1]
         rows = jnp.take(x, token_of, axis=0)
-        # ragged_dot reads every expert's weights whatever the group sizes; with few rows (decoding)
-        # use the grouped kernel, or without it gather just the experts in use first, ascending
-        # like the sorted rows.
+        # ragged_dot reads every expert's weights whatever the group sizes; the grouped kernel reads
+        # only the experts in use, and without it, with few rows, the experts in use are gathered
+        # first (ascending, like the sorted rows).
         in_dims = (self.w1.weight.shape[-1], self.w2.weight.shape[-1])
         if moe_impl == "auto":
             use_kernel = grouped_kernel_applies(in_dims)
