@@ -247,6 +247,27 @@ def run_batch(args: argparse.Namespace, console: Console) -> None:
         console.write(f"Prompt: {prompt}\nCompletion: {tokenizer.decode(completion)}\n\n")
 
 
+def check_same_settings(args: argparse.Namespace, console: Console) -> None:
+    """Every process must run the same generation (they take each step together): compare a digest
+    of the flags across processes, so that a mismatch is one clear error on every process rather
+    than a hang at the first step that differs."""
+    if console.processes == 1:
+        return
+    import hashlib
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    ignored = {"coordinator_address", "num_processes", "process_id"}
+    settings = repr(sorted((k, str(v)) for k, v in vars(args).items() if k not in ignored))
+    digest = np.frombuffer(hashlib.sha256(settings.encode()).digest()[:8], np.int32).copy()
+    every = np.asarray(multihost_utils.process_allgather(digest)).reshape(console.processes, -1)
+    differing = [i for i in range(console.processes) if not np.array_equal(every[i], every[0])]
+    if differing:
+        raise ChatError(f"processes {differing} were started with other flags than process 0; "
+                        "every process needs the same command line")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from .config import ConfigError
@@ -256,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start_distributed(args)
         console = Console()
+        check_same_settings(args, console)
         if args.interactive:
             run_interactive(args, console)
         else:

@@ -52,3 +52,24 @@ def test_two_processes_chat_like_one(tmp_path):
     assert model.mesh.devices.size == 4
     expected = expected_turns(model, Tokenizer.from_dir(TINY), turns, temperature=0.0, max_new_tokens=64)
     assert answers == expected and len(expected) == 3
+
+
+def test_processes_with_different_flags_fail_clearly():
+    """A follower started with other generation flags is one clear error on every process, not a hang."""
+    address = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    base = [sys.executable, "-m", "dsv3_jax.chat", "--interactive", "--temperature", "0",
+            "--coordinator-address", address, "--num-processes", "2"]
+    processes = [subprocess.Popen(base + ["--max-new-tokens", tokens, "--process-id", str(rank)],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd=ROOT, env=env)
+                 for rank, tokens in ((0, "64"), (1, "32"))]
+    try:
+        results = [p.communicate(timeout=120) for p in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    for process, (_, err) in zip(processes, results):
+        assert process.returncode == 1
+        assert "processes [1] were started with other flags than process 0" in err
