@@ -162,3 +162,36 @@ def test_program_does_not_grow_with_depth_or_experts():
     small = _program_size()
     assert _program_size(n_layers=12, n_dense_layers=4) < 1.02 * small
     assert _program_size(n_routed_experts=32, n_expert_groups=4, n_limited_groups=2) < 1.02 * small
+
+
+def _loops(jaxpr, inside_kernel=False) -> int:
+    """Loops (scan / while) of a jaxpr outside Pallas kernel bodies."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            continue
+        count += eqn.primitive.name in ("scan", "while")
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                count += _loops(inner)
+    return count
+
+
+@pytest.mark.parametrize("moe_impl", ["kernel", "gather", "ragged"])
+def test_decode_step_has_no_loops_but_the_layer_scans(moe_impl):
+    """A loop inside a layer runs at every layer of every step (each iteration its own kernels):
+    the only loops of a step are the two layer scans, whatever the routed-expert path."""
+    import jax
+
+    args = dsv3_jax.ModelArgs(vocab_size=256, dim=128, inter_dim=256, moe_inter_dim=128, n_layers=3, n_dense_layers=1,
+                              n_heads=4, n_routed_experts=16, n_shared_experts=1, n_activated_experts=2,
+                              n_expert_groups=2, n_limited_groups=1, score_func="sigmoid", q_lora_rank=128,
+                              kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
+                              max_batch_size=2, max_seq_len=64)
+    for decode_attn in ("xla", "kernel"):
+        model = dsv3_jax.build(args, dtype="float32", moe_impl=moe_impl, decode_attn=decode_attn)
+        zeros = np.zeros((2,), np.int32)
+        jaxpr = jax.make_jaxpr(lambda *a: model.step(*a, kv_len=64))(
+            model.state, model.cache, np.zeros((2, 1), np.int32), zeros, zeros)
+        assert _loops(jaxpr.jaxpr) == 2
