@@ -94,8 +94,8 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     `jax.lax.ragged_dot_general`, which streams every expert. With an fp8 weight, "bf16"
     dequantises it (in the kernel, tile by tile); "fp8" also rounds the activations through
     `act_quant`: exactly the scaled fp8 GEMM's products on the XLA path, carried in x's dtype
-    in the kernel (exact for ue8m0 scales, within 2^-9 otherwise). With `layer`, weight (and
-    scale) are a stack over layers (L, E, out, in) of which layer `layer` is used.
+    in the kernel (exact for ue8m0 scales, within 2^-9 otherwise). With `layer` (kernel only),
+    weight and scale are a stack over layers (L, E, out, in) of which layer `layer` is used.
     """
     if scale is not None and gemm_impl == "fp8":
         from pallas_kernels import act_quant
@@ -111,8 +111,7 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
         return grouped_gemm(x, weight, group_sizes, scale, layer=layer, out_dtype=jnp.float32, block_m=block_m,
                             block_n=block_n if scale is None else min(block_n, FP8_BLOCK))
     if layer is not None:
-        weight = jax.lax.dynamic_index_in_dim(weight, layer, 0, keepdims=False)
-        scale = None if scale is None else jax.lax.dynamic_index_in_dim(scale, layer, 0, keepdims=False)
+        raise ValueError("grouped_matmul: a stack of layers' weights (`layer`) needs the kernel")
     if scale is not None:
         from pallas_kernels import weight_dequant
 
