@@ -73,8 +73,7 @@ class Model:
     def __init__(self, args: ModelArgs, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh, *,
                  dtype=jnp.bfloat16, attn_impl: str = "absorb", gemm_impl: str = "bf16", moe_impl: str = "auto",
                  unroll: bool = False, decode_attn: str = "xla"):
-        if decode_attn not in DECODE_ATTNS:
-            raise ValueError(f"decode_attn must be one of {DECODE_ATTNS}, got {decode_attn!r}")
+        _check_choices(attn_impl=attn_impl, gemm_impl=gemm_impl, moe_impl=moe_impl, decode_attn=decode_attn)
         self.args, self.graphdef, self.state, self.mesh = args, graphdef, state, mesh
         self.dtype, self.attn_impl, self.gemm_impl, self.moe_impl = dtype, attn_impl, gemm_impl, moe_impl
         self.step = make_step(graphdef, partition_specs(state), args, mesh, attn_impl, gemm_impl, moe_impl, unroll,
@@ -125,15 +124,18 @@ class Model:
                         on_tokens=on_tokens)
 
 
-def _resolve_options(dtype, attn_impl, gemm_impl, moe_impl="auto"):
+def _check_choices(**choices) -> None:
+    """attn_impl, gemm_impl, moe_impl, decode_attn: each one of its allowed values."""
+    allowed = {"attn_impl": ATTN_IMPLS, "gemm_impl": GEMM_IMPLS, "moe_impl": MOE_IMPLS, "decode_attn": DECODE_ATTNS}
+    for name, value in choices.items():
+        if value not in allowed[name]:
+            raise ValueError(f"{name} must be one of {allowed[name]}, got {value!r}")
+
+
+def _resolve_options(dtype, attn_impl, gemm_impl, moe_impl="auto", decode_attn="xla"):
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if attn_impl not in ATTN_IMPLS:
-        raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
-    if gemm_impl not in GEMM_IMPLS:
-        raise ValueError(f"gemm_impl must be one of {GEMM_IMPLS}, got {gemm_impl!r}")
-    if moe_impl not in MOE_IMPLS:
-        raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+    _check_choices(attn_impl=attn_impl, gemm_impl=gemm_impl, moe_impl=moe_impl, decode_attn=decode_attn)
     return DTYPES[dtype]
 
 
@@ -153,7 +155,7 @@ def load(path, *, dtype: str = "bfloat16", attn_impl: str = "absorb", gemm_impl:
     `config` is required), or an orbax checkpoint (convert/to_orbax.py).
     config: None (read `config.json`), a path to a reference or HF JSON, or a `ModelArgs`.
     """
-    compute_dtype = _resolve_options(dtype, attn_impl, gemm_impl, moe_impl)
+    compute_dtype = _resolve_options(dtype, attn_impl, gemm_impl, moe_impl, decode_attn)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
@@ -194,7 +196,7 @@ def build(args: ModelArgs, *, seed: int = 0, dtype: str = "bfloat16", attn_impl:
           gemm_impl: str = "bf16", num_devices: int = 1, mesh: Mesh | None = None, moe_impl: str = "auto",
           decode_attn: str = "xla") -> Model:
     """A model with random weights generated directly on the mesh shards (benchmarks, demos)."""
-    compute_dtype = _resolve_options(dtype, attn_impl, gemm_impl, moe_impl)
+    compute_dtype = _resolve_options(dtype, attn_impl, gemm_impl, moe_impl, decode_attn)
     if args.gate_bias is None:
         args = args.replace(gate_bias=args.score_func == "sigmoid")
     mesh = _mesh_for(args, num_devices, mesh)

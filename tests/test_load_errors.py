@@ -108,7 +108,8 @@ def test_indivisible_mesh_and_bad_options(tiny):
         dsv3_jax.load(directory, num_devices=3)
     with pytest.raises(ValueError, match="num_devices=9 but 4 devices"):
         dsv3_jax.load(directory, num_devices=9)
-    for option, value in (("dtype", "float8"), ("attn_impl", "flash"), ("gemm_impl", "int8")):
+    for option, value in (("dtype", "float8"), ("attn_impl", "flash"), ("gemm_impl", "int8"), ("moe_impl", "loop"),
+                          ("decode_attn", "flash")):
         with pytest.raises(ValueError, match=option):
             dsv3_jax.load(directory, **{option: value})
 
