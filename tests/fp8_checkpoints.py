@@ -18,18 +18,16 @@ E4M3_MAX = 448.0
 
 
 def quantize_block_wise(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float64 math: per 128x128 block scale = amax / 448, q = w / scale rounded to e4m3."""
+    """(M, N) float -> e4m3 (M, N) and float32 scales (ceil(M/128), ceil(N/128)): float64 math, per
+    128x128 block scale = max(amax, 1e-4) / 448, q = w / scale rounded to e4m3 (ragged edge blocks)."""
     rows, cols = weight.shape
-    scales = np.zeros((-(-rows // BLOCK), -(-cols // BLOCK)), np.float32)
-    quantized = np.zeros(weight.shape, ml_dtypes.float8_e4m3fn)
-    for i in range(scales.shape[0]):
-        for j in range(scales.shape[1]):
-            block = weight[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].astype(np.float64)
-            scale = np.float32(max(np.abs(block).max(), 1e-12) / E4M3_MAX)
-            scales[i, j] = scale
-            quantized[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (block / scale).astype(
-                ml_dtypes.float8_e4m3fn)
-    return quantized, scales
+    block_rows, block_cols = -(-rows // BLOCK), -(-cols // BLOCK)
+    padded = np.zeros((block_rows * BLOCK, block_cols * BLOCK), np.float64)
+    padded[:rows, :cols] = weight
+    blocks = padded.reshape(block_rows, BLOCK, block_cols, BLOCK)
+    scales = (np.maximum(np.abs(blocks).max(axis=(1, 3)), 1e-4) / E4M3_MAX).astype(np.float32)
+    quantized = (blocks / scales[:, None, :, None].astype(np.float64)).reshape(padded.shape)[:rows, :cols]
+    return quantized.astype(ml_dtypes.float8_e4m3fn), scales
 
 
 def dequantize(quantized: np.ndarray, scales: np.ndarray) -> np.ndarray:

@@ -24,6 +24,7 @@ from safetensors import safe_open
 import dsv3_jax
 from dsv3_jax.checkpoint import ReferenceLayoutIndex
 from dsv3_jax.safetensors_io import SafetensorsFile, TensorIndex, save_file
+from fp8_checkpoints import quantize_block_wise
 from hf_models import hf_model, save
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,18 +40,6 @@ LINEAR = re.compile(r"_proj(_with_mqa)?\.weight$")
 
 
 # ------------------------------------------------------------------ building sources
-def block_quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(M, N) float -> e4m3 (M, N) and float32 scales (ceil(M/128), ceil(N/128)), scale = amax/448 per block."""
-    rows, cols = weight.shape
-    br, bc = -(-rows // BLOCK), -(-cols // BLOCK)
-    padded = np.zeros((br * BLOCK, bc * BLOCK), np.float64)
-    padded[:rows, :cols] = weight
-    blocks = padded.reshape(br, BLOCK, bc, BLOCK)
-    scales = (np.maximum(np.abs(blocks).max(axis=(1, 3)), 1e-4) / 448.0).astype(np.float32)
-    quantized = (blocks / scales[:, None, :, None].astype(np.float64)).reshape(padded.shape)[:rows, :cols]
-    return quantized.astype(E4M3), scales
-
-
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
     """float64 -> bfloat16 with one round-to-nearest-even of the 8-bit significand (no float32 detour)."""
     mantissa, exponent = np.frexp(x)
@@ -114,7 +103,7 @@ def make_source(directory: Path, family: str, *, fp8: bool, files: int = 4, **ov
     for name in index.names():
         array = np.asarray(index.tensor(name), np.float32)
         if fp8 and LINEAR.search(name):
-            tensors[name], tensors[name + "_scale_inv"] = block_quantize(array)
+            tensors[name], tensors[name + "_scale_inv"] = quantize_block_wise(array)
         else:
             tensors[name] = array.astype(BF16)
     config = json.loads((directory / "config.json").read_text())

@@ -72,6 +72,14 @@ def tiny_sources(tmp_path_factory) -> dict[str, Path]:
             "fp8": make_source(root / "fp8", "v3", fp8=True, files=2)}
 
 
+def report(capsys, tool, total, largest, peak, tmp_path) -> None:
+    """Print the measured figures and check that both measured runs wrote their output."""
+    with capsys.disabled():
+        print(f"\n{tool}: model {total / MIB:.1f} MiB, largest tensor {largest / MIB:.1f} MiB, traced peak "
+              f"{peak['traced_peak'] / MIB:.1f} MiB, RSS growth {peak['rss_growth'] / MIB:.1f} MiB")
+    assert (tmp_path / "out").is_dir() and (tmp_path / "traced").is_dir()
+
+
 @pytest.mark.parametrize("tool", ["convert", "to_orbax"])
 def test_peak_memory_is_about_the_largest_tensor(big_source, tiny_sources, tmp_path, tool, capsys):
     total, largest = sizes(big_source)
@@ -79,12 +87,9 @@ def test_peak_memory_is_about_the_largest_tensor(big_source, tiny_sources, tmp_p
     args = lambda src, dst: ["--hf-ckpt-path", src, "--save-path", dst] + (  # noqa: E731
         ["--n-experts", 8 if src != big_source else 32, "--model-parallel", 4] if tool == "convert" else [])
     peak = measure(tool, args, tiny_sources["bf16"], big_source, tmp_path)
-    with capsys.disabled():
-        print(f"\n{tool}: model {total / MIB:.1f} MiB, largest tensor {largest / MIB:.1f} MiB, traced peak "
-              f"{peak['traced_peak'] / MIB:.1f} MiB, RSS growth {peak['rss_growth'] / MIB:.1f} MiB")
+    report(capsys, tool, total, largest, peak, tmp_path)
     assert peak["traced_peak"] < 2 * largest + 2 * MIB
     assert peak["rss_growth"] < total / 3
-    assert (tmp_path / "out").is_dir() and (tmp_path / "traced").is_dir()
 
 
 def test_cast_peak_memory(tiny_sources, tmp_path_factory, tmp_path, capsys):
@@ -93,9 +98,6 @@ def test_cast_peak_memory(tiny_sources, tmp_path_factory, tmp_path, capsys):
     assert total > 12 * largest
     args = lambda src, dst: ["--input-fp8-hf-path", src, "--output-bf16-hf-path", dst]  # noqa: E731
     peak = measure("fp8_cast_bf16", args, tiny_sources["fp8"], source, tmp_path)
-    with capsys.disabled():
-        print(f"\nfp8_cast_bf16: fp8 model {total / MIB:.1f} MiB, largest tensor {largest / MIB:.1f} MiB, traced "
-              f"peak {peak['traced_peak'] / MIB:.1f} MiB, RSS growth {peak['rss_growth'] / MIB:.1f} MiB")
+    report(capsys, "fp8_cast_bf16", total, largest, peak, tmp_path)
     assert peak["traced_peak"] < 3 * largest + 2 * MIB
     assert peak["rss_growth"] < total / 2
-    assert (tmp_path / "out").is_dir() and (tmp_path / "traced").is_dir()
