@@ -113,9 +113,11 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     if layer is not None:
         raise ValueError("grouped_matmul: a stack of layers' weights (`layer`) needs the kernel")
     if scale is not None:
-        from pallas_kernels import weight_dequant
+        # the jnp twin, not the Pallas kernel: vmapped over experts, the kernel would address a 1-byte
+        # stack of 2^31..2^32 elements with 32-bit offsets (see pallas_kernels/grouped_gemm.py)
+        from pallas_kernels.reference import weight_dequant_ref
 
-        dequantize = functools.partial(weight_dequant, block_size=FP8_BLOCK, out_dtype=x.dtype)
+        dequantize = functools.partial(weight_dequant_ref, block_size=FP8_BLOCK, out_dtype=x.dtype)
         weight = jax.vmap(dequantize)(weight, scale)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
@@ -169,7 +171,9 @@ class Experts(nnx.Module):
         in_layer = (lambda a: a) if not stacked else (  # noqa: E731
             lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
         if gather:
-            used = jnp.unique(sort_key, size=tokens * topk, fill_value=local_experts)
+            # at most every local expert plus the marker of foreign assignments: the gathered weights
+            # never outgrow the layer's own, however many tokens the step holds
+            used = jnp.unique(sort_key, size=min(tokens * topk, local_experts + 1), fill_value=local_experts)
             slot_sizes = jnp.where(used < local_experts, group_sizes[jnp.minimum(used, local_experts - 1)], 0)
             select = lambda a: jnp.take(in_layer(a), jnp.minimum(used, local_experts - 1), axis=0)  # noqa: E731
         elif use_kernel:

@@ -8,6 +8,13 @@ schedule (group, first row, group end) is computed in plain XLA and read by the 
 
 An fp8 weight (float8_e4m3fn with float32 128x128 block scales) is dequantised tile by tile in
 the kernel, to x's dtype, as ``weight_dequant`` then a matmul would: the "bf16" GEMM path.
+
+The kernel reads an fp8 weight as pairs of bytes (a uint16 view) and x with each 128-column
+block's even columns before its odd ones. The reason is a limit of Pallas' Triton lowering
+(jax 0.11.2): it indexes a ref with 32-bit signed element offsets whenever the ref holds at most
+2^32 bytes, so a 1-byte ref of 2^31..2^32 elements (one V3 MoE layer's experts: 256 x 2048 x
+7168) is addressed out of bounds (CUDA_ERROR_ILLEGAL_ADDRESS, or NaN from the wrong bytes when
+the stack is larger). As uint16 the same bytes are half as many elements, always addressable.
 """
 from __future__ import annotations
 
@@ -65,6 +72,8 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: ja
         return grouped_gemm_ref(x, w, group_sizes, w_scale, out_dtype)
     if not stacked:
         w, w_scale = w[None], None if w_scale is None else w_scale[None]
+    if w_scale is not None:
+        w, x = byte_pairs(w), even_odd_columns(x)
     schedule, max_tiles = tile_schedule(group_sizes.astype(jnp.int32), m, block_m, layer)
     vma = vma_union(x, w, group_sizes)
     operands = [schedule, jnp.pad(x, ((0, block_m), (0, 0))), w] + ([w_scale] if w_scale is not None else [])
@@ -81,6 +90,25 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: ja
         name="grouped_gemm",
     )(*operands, zeros)
     return out[:m]
+
+
+def byte_pairs(w: jax.Array) -> jax.Array:
+    """A 1-byte (..., K) array viewed as uint16 (..., K/2): byte 2i in the low half of word i."""
+    return jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 2, 2), jnp.uint16)
+
+
+def even_odd_columns(x: jax.Array) -> jax.Array:
+    """x (M, K) with each 128-column block reordered as its 64 even columns, then its 64 odd ones,
+    to meet the low and high bytes of `byte_pairs` (a copy of x: small next to the weights)."""
+    m, k = x.shape
+    return x.reshape(m, k // BLOCK, BLOCK // 2, 2).swapaxes(2, 3).reshape(m, k)
+
+
+def _unpack_fp8_pairs(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint16 words -> (low bytes, high bytes) as float32 values of their e4m3 codes."""
+    low = jax.lax.bitcast_convert_type((words & jnp.uint16(0xFF)).astype(jnp.uint8), FP8)
+    high = jax.lax.bitcast_convert_type((words >> jnp.uint16(8)).astype(jnp.uint8), FP8)
+    return low.astype(jnp.float32), high.astype(jnp.float32)
 
 
 def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tuple[jax.Array, int]:
@@ -118,17 +146,27 @@ def _kernel(sched_ref, x_ref, w_ref, *refs, n, k, block_m, block_n, fp8):
         col_ok = (j * block_n + jnp.arange(block_n)) < n
         rows, cols = pl.ds(row, block_m), pl.ds(j * block_n, block_n)
 
-        def body(kb, acc):
-            ks = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
-            # masked rows / columns hold garbage that reaches only output rows / columns not stored
-            xb = plgpu.load(x_ref.at[rows, ks], mask=row_ok[:, None])
-            wb = plgpu.load(w_ref.at[layer, group, cols, ks], mask=col_ok[:, None])
-            if fp8:
-                scale = scale_ref[layer, group, (j * block_n) // BLOCK, kb]
-                wb = (wb.astype(jnp.float32) * scale).astype(xb.dtype)
+        def dot(xb, wb):
             precision = jax.lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None  # no tf32 for float32
-            return acc + jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), precision=precision,
-                                             preferred_element_type=jnp.float32)
+            return jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), precision=precision,
+                                       preferred_element_type=jnp.float32)
+
+        def body(kb, acc):
+            # masked rows / columns hold garbage that reaches only output rows / columns not stored
+            start = pl.multiple_of(kb * BLOCK, BLOCK)
+            if not fp8:
+                xb = plgpu.load(x_ref.at[rows, pl.ds(start, BLOCK)], mask=row_ok[:, None])
+                wb = plgpu.load(w_ref.at[layer, group, cols, pl.ds(start, BLOCK)], mask=col_ok[:, None])
+                return acc + dot(xb, wb)
+            half = BLOCK // 2  # the block's even columns of x meet the low bytes, its odd ones the high
+            x_even = plgpu.load(x_ref.at[rows, pl.ds(start, half)], mask=row_ok[:, None])
+            x_odd = plgpu.load(x_ref.at[rows, pl.ds(start + half, half)], mask=row_ok[:, None])
+            words = plgpu.load(w_ref.at[layer, group, cols, pl.ds(pl.multiple_of(kb * half, half), half)],
+                               mask=col_ok[:, None])
+            scale = scale_ref[layer, group, (j * block_n) // BLOCK, kb]
+            w_even, w_odd = _unpack_fp8_pairs(words)
+            return (acc + dot(x_even, (w_even * scale).astype(x_even.dtype))
+                    + dot(x_odd, (w_odd * scale).astype(x_odd.dtype)))
 
         acc = jax.lax.fori_loop(0, k // BLOCK, body, jnp.zeros((block_m, block_n), jnp.float32))
         plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])

@@ -1,0 +1,114 @@
+"""Per-kernel GPU time of decode steps, from a jax.profiler trace (Perfetto JSON; no extra tools).
+
+    PYTHONPATH=. python3 scripts/profile_step.py --config configs/config_16B.json --batch 1 --out benchmarks/x.json
+
+Prints wall time and GPU-busy time per step, kernels per step, the top kernels by time, and the
+time by named scope (the paper nouns the model marks with `jax.named_scope`, when the trace's
+event arguments carry them). Writes the same as JSON with --out.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dsv3_jax
+from dsv3_jax.config import ModelArgs
+
+SCOPES = ("attn_norm", "ffn_norm", "attention", "gate", "routed_experts", "shared_experts", "mlp", "embed", "head",
+          "norm")
+
+
+def scope_of(label: str) -> str:
+    """The innermost paper-noun scope named in an op's metadata path (or 'other')."""
+    parts = re.split(r"[/:]", label)
+    for part in reversed(parts):
+        if part in SCOPES:
+            return part
+    return "other"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--build-kwargs", default="{}", help="JSON of extra dsv3_jax.build keyword arguments")
+    p.add_argument("--out", default=None, help="write the profile as JSON here")
+    o = p.parse_args()
+
+    args = ModelArgs.from_reference_json(o.config).replace(max_batch_size=max(o.batch, 1),
+                                                           max_seq_len=o.context + 64 + o.steps)
+    model = dsv3_jax.build(args, seed=0, dtype="bfloat16", **json.loads(o.build_kwargs))
+    prompt = np.random.default_rng(0).integers(0, args.vocab_size, (o.batch, o.context)).astype(np.int32)
+    zeros = np.zeros((o.batch,), np.int32)
+    window = dsv3_jax.cache_window(o.context + 16 + o.steps, args.max_seq_len)
+    logits, model.cache = model.step(model.state, model.cache, prompt, zeros, zeros + o.context - 1, kv_len=window)
+    greedy = jax.jit(lambda l: jnp.argmax(l, -1).astype(jnp.int32)[:, None])
+    state = {"logits": logits, "pos": zeros + o.context}
+
+    def run(n):
+        for _ in range(n):
+            state["logits"], model.cache = model.step(model.state, model.cache, greedy(state["logits"]), state["pos"],
+                                                      zeros, kv_len=window)
+            state["pos"] = state["pos"] + 1
+        jax.block_until_ready(state["logits"])
+
+    run(5)  # compile and warm up
+    t0 = time.perf_counter()
+    run(o.steps)
+    wall = (time.perf_counter() - t0) / o.steps  # timed outside the profiler
+    out = tempfile.mkdtemp()
+    with jax.profiler.trace(out, create_perfetto_trace=True):
+        run(o.steps)
+    trace = json.load(gzip.open(glob.glob(f"{out}/**/*.trace.json.gz", recursive=True)[0]))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    kernels = collections.defaultdict(lambda: {"count": 0, "us": 0.0, "scope": ""})
+    scopes = collections.defaultdict(lambda: {"count": 0, "us": 0.0})
+    for e in events:
+        if e.get("ph") == "X" and "gpu" in names.get(e.get("pid"), "").lower():
+            a = e.get("args", {})
+            label = " ".join(str(a.get(k, "")) for k in ("tf_op", "long_name", "hlo_op", "name"))
+            scope = scope_of(label)
+            row = kernels[e["name"]]
+            row["count"] += 1
+            row["us"] += e.get("dur", 0.0)
+            row["scope"] = row["scope"] or scope
+            scopes[scope]["count"] += 1
+            scopes[scope]["us"] += e.get("dur", 0.0)
+    n = o.steps
+    busy = sum(r["us"] for r in kernels.values())
+    result = {"config": o.config, "batch": o.batch, "context": o.context, "build_kwargs": json.loads(o.build_kwargs),
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__, "wall_ms_per_step": wall * 1e3,
+              "gpu_busy_ms_per_step": busy / n / 1e3, "kernels_per_step": sum(r["count"] for r in kernels.values()) / n,
+              "by_scope": {k: {"count_per_step": v["count"] / n, "us_per_step": v["us"] / n, "share": v["us"] / busy}
+                           for k, v in sorted(scopes.items(), key=lambda kv: -kv[1]["us"])},
+              "top_kernels": [{"name": k, "scope": v["scope"], "count_per_step": v["count"] / n,
+                               "us_per_step": v["us"] / n, "share": v["us"] / busy}
+                              for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:o.top]]}
+    print(f"batch {o.batch}: wall {result['wall_ms_per_step']:.3f} ms/step, GPU busy "
+          f"{result['gpu_busy_ms_per_step']:.3f} ms/step, {result['kernels_per_step']:.0f} kernels/step")
+    for k, v in result["by_scope"].items():
+        print(f"  scope {k:16s} {v['us_per_step']:9.1f} us/step {v['count_per_step']:6.1f}x {100 * v['share']:5.1f}%")
+    for r in result["top_kernels"]:
+        print(f"  {r['us_per_step']:9.1f} us/step {r['count_per_step']:6.1f}x {100 * r['share']:5.1f}%  "
+              f"{r['name'][:60]:60s} {r['scope']}")
+    if o.out:
+        with open(o.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
