@@ -46,3 +46,4 @@ fi
 echo "setup: installing dsv3-jax ($target) into .venv" >&2
 .venv/bin/python -m pip install -q -e "$target"
 stamp_of > "$stamp"
+[ "$target" = "." ] || stamp_of > .venv/.dsv3-stamp  # the test extra includes the runtime
