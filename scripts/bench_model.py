@@ -4,7 +4,7 @@ For every figure it prints the memory-bandwidth floor beside it (bytes a step mu
 weights plus the cache actually attended, over the copy bandwidth measured in the same run) and
 writes benchmarks/model-<gpu>-<config>.json and .md.
 
-    python scripts/bench_model.py --config ../shared/fixtures/reference-configs/config_16B.json
+    python scripts/bench_model.py --config configs/config_16B.json
     python scripts/bench_model.py --config config_671B.json --layers 4 --gemm-impl fp8
 
 Several processes (one per GPU): start it once per process with --coordinator-address,

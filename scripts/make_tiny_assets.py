@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import shutil
 import tempfile
@@ -152,8 +153,41 @@ def bigram_factors(tokenizer: tokenizers.Tokenizer, pairs, dim: int) -> tuple[np
     logp = np.log(probs / probs.sum(1, keepdims=True))
     logp -= logp.mean(1, keepdims=True)
     u, s, vt = np.linalg.svd(logp)
+    u, v = canonical_gauge(u[:, :dim], vt[:dim].T, s[:dim], s[dim])
     root = np.sqrt(s[:dim])
-    return u[:, :dim] * root, vt[:dim].T * root
+    embed, head = u * root, v * root
+    # tokens the corpus never uses have constant rows: their factors are rounding noise (~1e-12),
+    # different on every host; make them exact zeros (the other entries are > 1e-7)
+    for factor in (embed, head):
+        factor[np.abs(factor) < 1e-8] = 0.0
+    return embed, head
+
+
+def canonical_gauge(u: np.ndarray, v: np.ndarray, s: np.ndarray, next_s: float,
+                    rtol: float = 1e-8) -> tuple[np.ndarray, np.ndarray]:
+    """The singular vectors `u`, `v` (columns; singular values `s` descending) in a gauge that does not
+    depend on the LAPACK/BLAS that computed them. An SVD fixes each pair of singular vectors only up
+    to a common sign, and the vectors of a repeated singular value (this corpus has one, three times)
+    only up to a common rotation among themselves; each host kernel picks its own (issue 10: sign flips
+    under another OPENBLAS_CORETYPE). Here each group of equal singular values (relative gap < rtol) is
+    rotated onto the orthonormal basis of its span closest to a fixed random matrix `g` (the polar
+    factor of u_b^T g, which depends only on the span), and its `v` by the same rotation. Two hosts'
+    results then differ by rounding (~1e-13), far below the bf16 the tensors are stored in."""
+    if (s[-1] - next_s) <= rtol * s[-1]:
+        raise RuntimeError("the kept singular vectors end inside a group of equal singular values")
+    g = np.random.default_rng(1234).standard_normal(u.shape)
+    u_out, v_out = np.empty_like(u), np.empty_like(v)
+    start = 0
+    while start < len(s):
+        stop = start + 1
+        while stop < len(s) and s[stop - 1] - s[stop] <= rtol * s[stop - 1]:
+            stop += 1
+        x, _, yt = np.linalg.svd(u[:, start:stop].T @ g[:, start:stop])
+        rotation = x @ yt
+        u_out[:, start:stop] = u[:, start:stop] @ rotation
+        v_out[:, start:stop] = v[:, start:stop] @ rotation
+        start = stop
+    return u_out, v_out
 
 
 def model_tensors(args: ModelArgs, embed: np.ndarray, head: np.ndarray, seed: int = 0) -> dict[str, np.ndarray]:
@@ -167,7 +201,9 @@ def model_tensors(args: ModelArgs, embed: np.ndarray, head: np.ndarray, seed: in
     abstract = nnx.eval_shape(lambda: Transformer(args, dtype=jnp.float32))
     _, state = nnx.split(abstract)
     rng = np.random.default_rng(seed)
-    rms = float(np.sqrt((embed**2).mean()))
+    # from the stored (bf16) embedding, summed exactly, so hosts whose embeddings round alike agree
+    stored = np.asarray(embed, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    rms = math.sqrt(math.fsum((stored**2).ravel().tolist()) / stored.size)
     tensors = {}
     for _, name, shape in expected_tensors(state, args):
         leaf = name.rsplit(".", 2)[-2]

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Build .venv from nothing (finding a Python >= 3.12) and install dsv3-jax with its test extra.
-# Idempotent: a venv whose install stamp matches pyproject.toml is reused.
+# Build .venv from nothing (finding a Python >= 3.12) and install dsv3-jax with its runtime dependencies
+# only (no torch: enough for the chat demo, the notebook API and the converters). `scripts/setup.sh test`
+# adds the test extra (torch + transformers as oracles, the notebook runner); scripts/test.sh does that.
+# Idempotent: each install has a stamp of pyproject.toml and the package set, and is redone only when stale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,12 +28,22 @@ find_python() {
 # pyproject.toml and the set of packages: an editable install maps only the packages present when it ran
 stamp_of() { { cat pyproject.toml; ls -d */__init__.py 2>/dev/null; } | sha256sum | cut -c1-16; }
 
-if [ -x .venv/bin/python ] && [ "$(cat .venv/.dsv3-stamp 2>/dev/null)" = "$(stamp_of)" ]; then
+case "${1:-}" in
+  "") target="." stamp=.venv/.dsv3-stamp ;;
+  test) target=".[test]" stamp=.venv/.dsv3-test-stamp ;;
+  *) echo "usage: scripts/setup.sh [test]" >&2; exit 2 ;;
+esac
+
+if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$(stamp_of)" ]; then
   exit 0
 fi
-PYTHON="$(find_python)" || { echo "setup: no Python >= 3.12 found on PATH or under pyenv" >&2; exit 1; }
-echo "setup: using $PYTHON" >&2
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]'
-stamp_of > .venv/.dsv3-stamp
+if [ ! -x .venv/bin/python ]; then
+  PYTHON="$(find_python)" || { echo "setup: no Python >= 3.12 found on PATH or under pyenv" >&2; exit 1; }
+  echo "setup: using $PYTHON" >&2
+  "$PYTHON" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+echo "setup: installing dsv3-jax ($target) into .venv" >&2
+.venv/bin/python -m pip install -q -e "$target"
+stamp_of > "$stamp"
+[ "$target" = "." ] || stamp_of > .venv/.dsv3-stamp  # the test extra includes the runtime

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-FIXTURES = SHARED / "fixtures"
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"  # the real DeepSeek-V3 tokenizer (MIT, LICENSE beside it), HF configs
+CONFIGS = ROOT / "configs"  # the reference implementation's JSON configs
 
 
 def _has_gpu() -> bool:
@@ -35,6 +36,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
-    if not FIXTURES.is_dir():
-        pytest.skip("../shared/fixtures is absent")
     return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def configs_dir() -> Path:
+    return CONFIGS

@@ -13,8 +13,8 @@ REFERENCE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelArgs)}
 
 
 @pytest.mark.parametrize("name", ["config_16B.json", "config_236B.json", "config_671B.json", "config_v3.1.json"])
-def test_reference_json_round_trip(fixtures_dir, name):
-    path = fixtures_dir / "reference-configs" / name
+def test_reference_json_round_trip(configs_dir, name):
+    path = configs_dir / name
     raw = json.loads(path.read_text())
     args = ModelArgs.from_reference_json(path)
     for field, default in REFERENCE_DEFAULTS.items():
@@ -24,18 +24,18 @@ def test_reference_json_round_trip(fixtures_dir, name):
     assert ModelArgs.from_file(path) == args
 
 
-def test_reference_softmax_scale_follows_max_seq_len(fixtures_dir):
-    args = ModelArgs.from_reference_json(fixtures_dir / "reference-configs" / "config_16B.json")
+def test_reference_softmax_scale_follows_max_seq_len(configs_dir):
+    args = ModelArgs.from_reference_json(configs_dir / "config_16B.json")
     base = (128 + 64) ** -0.5
     assert args.yarn_enabled and math.isclose(args.softmax_scale, base * (0.1 * 0.707 * math.log(40) + 1) ** 2)
     short = args.replace(max_seq_len=4096)
     assert not short.yarn_enabled and math.isclose(short.softmax_scale, base)
 
 
-def test_hf_v3_r1_config(fixtures_dir):
+def test_hf_v3_r1_config(fixtures_dir, configs_dir):
     hf = json.loads((fixtures_dir / "hf-configs" / "deepseek-v3-r1.config.json").read_text())
     args = ModelArgs.from_hf_config(hf)
-    reference = ModelArgs.from_reference_json(fixtures_dir / "reference-configs" / "config_671B.json")
+    reference = ModelArgs.from_reference_json(configs_dir / "config_671B.json")
     for field in ("vocab_size", "dim", "inter_dim", "moe_inter_dim", "n_layers", "n_dense_layers", "n_heads",
                   "n_routed_experts", "n_shared_experts", "n_activated_experts", "n_expert_groups",
                   "n_limited_groups", "score_func", "route_scale", "q_lora_rank", "kv_lora_rank",

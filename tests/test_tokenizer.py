@@ -53,10 +53,7 @@ def hf_chat_ids(hf, messages) -> list[int]:
 
 @pytest.fixture(scope="module")
 def deepseek(fixtures_dir):
-    directory = fixtures_dir / "deepseek-v3-tokenizer"
-    if not (directory / "tokenizer.json.gz").exists():
-        pytest.skip("the DeepSeek-V3 tokenizer fixture is absent")
-    return directory
+    return fixtures_dir / "deepseek-v3-tokenizer"
 
 
 def test_deepseek_encoding_equals_tokenizers_and_transformers(deepseek):
