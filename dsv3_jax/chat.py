@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from .options import add_flags, from_flags
+
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "assets" / "tiny"
 MAX_BATCH_PROMPTS = 8
 
@@ -45,9 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first turn (turn i uses seed + i)")
     parser.add_argument("--num-devices", type=int, default=None, help="devices of the mesh (default: all, "
                         "over all processes)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--gemm-impl", default="bf16", choices=["bf16", "fp8"])
-    parser.add_argument("--attn-impl", default="absorb", choices=["absorb", "naive"])
+    add_flags(parser)
     parser.add_argument("--max-seq-len", type=int, default=4096)
     parser.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
     parser.add_argument("--num-processes", type=int, default=None)
@@ -165,8 +165,7 @@ def load_model(args: argparse.Namespace, batch: int):
     tokenizer = Tokenizer.from_dir(path)
     if tokenizer.eos_id is None:
         raise ChatError(f"the tokenizer in {path} names no eos_token")
-    model = dsv3_jax.load(path, dtype=args.dtype, attn_impl=args.attn_impl, gemm_impl=args.gemm_impl,
-                          num_devices=args.num_devices or jax.device_count(),
+    model = dsv3_jax.load(path, options=from_flags(args), num_devices=args.num_devices or jax.device_count(),
                           max_batch_size=batch, max_seq_len=args.max_seq_len, config=args.config)
     return model, tokenizer
 

@@ -100,7 +100,7 @@ def test_installed_entry_point():
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
     for flag in ("--ckpt-path", "--config", "--input-file", "--interactive", "--max-new-tokens", "--temperature",
-                 "--num-devices", "--dtype", "--gemm-impl", "--attn-impl", "--max-seq-len", "--coordinator-address"):
+                 "--num-devices", "--compute-dtype", "--gemm-impl", "--attn-impl", "--max-seq-len", "--coordinator-address"):
         assert flag in result.stdout
 
 
