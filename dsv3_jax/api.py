@@ -160,8 +160,8 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
 
 def _abstract(args: ModelArgs, options: RunOptions, seed: int | None = None):
     """(graphdef, abstract state) of the model: shapes only, no memory."""
-    rngs = None if seed is None else nnx.Rngs(seed)
-    return nnx.split(nnx.eval_shape(lambda: Transformer(args, param_dtype=options.dtype, rngs=rngs)))
+    return nnx.split(nnx.eval_shape(
+        lambda: Transformer(args, param_dtype=options.dtype, rngs=None if seed is None else nnx.Rngs(seed))))
 
 
 def build(args: ModelArgs, *, seed: int = 0, options: RunOptions | None = None, num_devices: int = 1,

@@ -14,6 +14,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from pallas_kernels import cdiv
+
 from .config import ModelArgs
 from .safetensors_io import CheckpointError, SafetensorsFile, TensorIndex
 from .schema import HF_CONFIG, check_tensors, hf_name, rank_files, reference_names, routed_expert, split_dim, \
@@ -112,7 +114,7 @@ class _RankSplitTensor:
             bounds.append((start, max(start, stop)))
         start, stop = bounds[self.dim]
         parts = []
-        for rank in range(start // self.piece, -(-stop // self.piece)):
+        for rank in range(start // self.piece, cdiv(stop, self.piece)):
             offset = rank * self.piece
             local = [slice(a, b) for a, b in bounds]
             local[self.dim] = slice(max(start, offset) - offset, min(stop, offset + self.piece) - offset)

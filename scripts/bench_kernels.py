@@ -29,14 +29,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from pallas_kernels import GemmConfig, act_quant, fp8_gemm, reference, weight_dequant
+from pallas_kernels import FP8_BLOCK, FP8_DTYPE as FP8, GemmConfig, act_quant, cdiv, fp8_gemm, reference, weight_dequant
 from pallas_kernels import dequantize as WD, gemm as GM, quantize as AQ
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FP8 = jnp.float8_e4m3fn
 HBM = 4.3e12  # measured copy bandwidth on an H200 here (bytes/s), overridden by this run's
 PEAK_BF16, PEAK_FP8 = 785e12, 1400e12  # XLA on an H200 here, overridden by this run's
 L2 = 60e6
@@ -92,7 +90,7 @@ def rand(key, shape, dtype, scale=1.0):
 
 def weight(key, n, k):
     kw, ks = jax.random.split(key)
-    return rand(kw, (n, k), FP8, 64.0), jnp.exp2(jax.random.uniform(ks, (-(-n // 128), k // 128), minval=-12, maxval=-4))
+    return rand(kw, (n, k), FP8, 64.0), jnp.exp2(jax.random.uniform(ks, (cdiv(n, FP8_BLOCK), k // FP8_BLOCK), minval=-12, maxval=-4))
 
 
 # ---------------------------------------------------------------- ceilings
@@ -210,7 +208,7 @@ def candidates(m: int, n: int, k: int) -> list[GemmConfig]:
 
 def bench_gemm(sz: Sizes, m: int, n: int, k: int, ceil: dict, sweep: bool, deadline: float) -> dict:
     flops = 2 * m * n * k
-    b8 = n * k + m * k + m * n * 2 + m * k // 128 * 4 + (-(-n // 128)) * (k // 128) * 4
+    b8 = n * k + m * k + m * n * 2 + m * k // 128 * 4 + cdiv(n, FP8_BLOCK) * (k // FP8_BLOCK) * 4
     b16 = 2 * (n * k + m * k + m * n)
     hbm, pk8, pk16 = ceil["copy_Bps"], ceil["fp8_flops"], ceil["bf16_flops"]
     floor8 = {"mem_us": b8 / hbm * 1e6, "compute_us": flops / pk8 * 1e6}

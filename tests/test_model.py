@@ -195,3 +195,20 @@ def test_decode_step_has_no_loops_but_the_layer_scans(moe_impl):
         jaxpr = jax.make_jaxpr(lambda *a: model.step(*a, kv_len=64))(
             model.state, model.cache, np.zeros((2, 1), np.int32), zeros, zeros)
         assert _loops(jaxpr.jaxpr) == 2
+
+
+def test_step_is_profiled_by_paper_noun():
+    """Every paper noun of a step has its named scope, so a profile of a decode step reads by them."""
+    import jax
+
+    args = dsv3_jax.ModelArgs(vocab_size=256, dim=128, inter_dim=256, moe_inter_dim=128, n_layers=2, n_dense_layers=1,
+                              n_heads=4, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
+                              kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
+                              max_batch_size=1, max_seq_len=64)
+    model = dsv3_jax.build(args, compute_dtype="float32")
+    zeros = np.zeros((1,), np.int32)
+    text = model.step.lower(model.state, model.cache, np.zeros((1, 1), np.int32), zeros, zeros,
+                            kv_len=64).as_text(debug_info=True)
+    for scope in ("embed", "attn_norm", "attention", "ffn_norm", "mlp", "gate", "routed_experts", "shared_experts",
+                  "cache_write", "norm", "head"):
+        assert f"/{scope}/" in text, scope
