@@ -61,7 +61,7 @@ class Model:
                  options: RunOptions = RunOptions()):
         self.args, self.graphdef, self.state, self.mesh, self.options = args, graphdef, state, mesh, options
         self.step = make_step(graphdef, partition_specs(state), args, mesh, options)
-        self.cache = allocate_cache(args, options.attn_impl, mesh, options.dtype)
+        self.cache = allocate_cache(args, options.attn_impl, mesh, options.jnp_dtype)
 
     def forward(self, tokens, start_pos=0) -> jax.Array:
         """Logits (float32, (B, vocab)) of each row's last token, caching positions [start_pos, start_pos + S).
@@ -161,7 +161,7 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
 def _abstract(args: ModelArgs, options: RunOptions, seed: int | None = None):
     """(graphdef, abstract state) of the model: shapes only, no memory."""
     return nnx.split(nnx.eval_shape(
-        lambda: Transformer(args, param_dtype=options.dtype, rngs=None if seed is None else nnx.Rngs(seed))))
+        lambda: Transformer(args, param_dtype=options.jnp_dtype, rngs=None if seed is None else nnx.Rngs(seed))))
 
 
 def build(args: ModelArgs, *, seed: int = 0, options: RunOptions | None = None, num_devices: int = 1,
@@ -174,6 +174,6 @@ def build(args: ModelArgs, *, seed: int = 0, options: RunOptions | None = None, 
     mesh = _mesh_for(args, num_devices, mesh)
     graphdef, abstract_state = _abstract(args, options, seed)
     shardings = named_shardings(mesh, partition_specs(abstract_state))
-    make = jax.jit(lambda: nnx.split(Transformer(args, param_dtype=options.dtype, rngs=nnx.Rngs(seed)))[1],
+    make = jax.jit(lambda: nnx.split(Transformer(args, param_dtype=options.jnp_dtype, rngs=nnx.Rngs(seed)))[1],
                    out_shardings=shardings)
     return Model(args, graphdef, make(), mesh, options)

@@ -52,8 +52,8 @@ class RunOptions:
         return dataclasses.replace(options or cls(), **choices)
 
     @property
-    def dtype(self):
-        """The compute dtype as a jnp dtype."""
+    def jnp_dtype(self):
+        """`compute_dtype` as a jnp dtype."""
         return COMPUTE_DTYPES[self.compute_dtype]
 
 
