@@ -125,7 +125,7 @@ class _RankSplitTensor:
 
 
 class ReferenceLayoutIndex:
-    """The reference's per-rank checkpoint (`model{r}-mp{MP}.safetensors`, written by convert/convert.py)
+    """The reference's per-rank checkpoint (`model{r}-mp{MP}.safetensors`, written by `dsv3-convert`)
     presented like a `TensorIndex` of global tensors under their reference names.
 
     A tensor cut along a dimension reads, for a window, only the rank files the window overlaps: a

@@ -1,6 +1,6 @@
 """The JAX-native checkpoint: the model state in its stacked layout as an orbax checkpoint.
 
-Layout of a directory written by convert/to_orbax.py:
+Layout of a directory written by `dsv3-to-orbax` (dsv3_jax/convert/to_orbax.py):
 
     config.json         the Hugging Face config (ModelArgs.from_file reads it)
     tokenizer*          the tokenizer files
@@ -44,7 +44,7 @@ CHUNK_BYTES = 4 << 20  # TensorStore read chunk inside each written block: a dev
 
 
 def is_orbax_checkpoint(directory: str | Path) -> bool:
-    """A directory written by convert/to_orbax.py (an orbax checkpoint in `state/`)."""
+    """A directory written by `dsv3-to-orbax` (an orbax checkpoint in `state/`)."""
     return (Path(directory) / STATE_DIR / "_CHECKPOINT_METADATA").is_file()
 
 
