@@ -101,7 +101,7 @@ class Model:
                         on_tokens=on_tokens)
 
 
-def run_options(options: RunOptions | None, dtype: str | None, choices: dict) -> RunOptions:
+def _run_options(options: RunOptions | None, dtype: str | None, choices: dict) -> RunOptions:
     """The RunOptions of a `load`/`build` call: `options` with the keyword choices applied.
     `dtype` is the former name of `compute_dtype`, still accepted."""
     if dtype is not None:
@@ -127,7 +127,7 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
     options / choices: the `RunOptions`, or any of its fields as keywords (compute_dtype="float32",
     attn_impl=..., gemm_impl=..., moe_impl=..., decode_attn=..., unroll=...).
     """
-    options = run_options(options, dtype, choices)
+    options = _run_options(options, dtype, choices)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
@@ -168,7 +168,7 @@ def build(args: ModelArgs, *, seed: int = 0, options: RunOptions | None = None, 
           mesh: Mesh | None = None, dtype: str | None = None, **choices) -> Model:
     """A model with random weights generated directly on the mesh shards (benchmarks, demos);
     `options` / `choices` as in `load`."""
-    options = run_options(options, dtype, choices)
+    options = _run_options(options, dtype, choices)
     if args.gate_bias is None:
         args = args.replace(gate_bias=args.score_func == "sigmoid")
     mesh = _mesh_for(args, num_devices, mesh)

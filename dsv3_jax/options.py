@@ -49,6 +49,10 @@ class RunOptions:
     @classmethod
     def make(cls, options: RunOptions | None = None, **choices) -> RunOptions:
         """`options` with `choices` (field=value) replaced; the defaults when `options` is None."""
+        names = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(choices) - set(names))
+        if unknown:
+            raise TypeError(f"unknown run option {unknown[0]!r}; the run options are {', '.join(names)}")
         return dataclasses.replace(options or cls(), **choices)
 
     @property

@@ -112,6 +112,8 @@ def test_indivisible_mesh_and_bad_options(tiny):
                           ("gemm_impl", "int8"), ("moe_impl", "loop"), ("decode_attn", "flash")):
         with pytest.raises(ValueError, match=option):
             dsv3_jax.load(directory, **{option: value})
+    with pytest.raises(TypeError, match="unknown run option 'max_seq'"):
+        dsv3_jax.load(directory, max_seq=16)
 
 
 def test_forward_input_errors(tiny):
