@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -129,12 +128,9 @@ def reference_json(source: Path, destination: Path) -> Path:
 
 
 def tool(name: str, *argv, module: bool = False) -> subprocess.CompletedProcess:
-    """Run a tool as `python convert/<name>.py` (the reference's way) or `python -m dsv3_jax.convert.<name>`,
-    with this checkout's package first on the path."""
+    """Run a tool as `python convert/<name>.py` (the reference's way) or `python -m dsv3_jax.convert.<name>`."""
     command = [sys.executable, "-m", f"dsv3_jax.convert.{name}"] if module else [sys.executable, f"convert/{name}.py"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.run(command + [str(a) for a in argv], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=env)
+    return subprocess.run(command + [str(a) for a in argv], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def run_main(name: str, *argv) -> None:
