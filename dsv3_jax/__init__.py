@@ -1,6 +1,10 @@
 """dsv3-jax: DeepSeek-V3 inference in JAX (Flax NNX modules, shard_map TP+EP, Pallas fp8 kernels)."""
-from .api import Model, build, cache_window, load, make_step
+from . import generate
+from .api import Model, build, load, make_step
+from .cache import cache_window
 from .config import ConfigError, ModelArgs
+from .options import RunOptions
 from .safetensors_io import CheckpointError
 
-__all__ = ["CheckpointError", "ConfigError", "Model", "ModelArgs", "build", "cache_window", "load", "make_step"]
+__all__ = ["CheckpointError", "ConfigError", "Model", "ModelArgs", "RunOptions", "build", "cache_window", "generate",
+           "load", "make_step"]

@@ -7,32 +7,16 @@ Heads are split over the mesh (wq/wq_b/wkv_b column-parallel, wo row-parallel).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import mla_decode
+
 from .config import ModelArgs
 from .layers import Linear, RMSNorm
+from .options import StepContext
 from .rope import apply_rotary
-
-
-@dataclasses.dataclass(frozen=True)
-class StepContext:
-    """What every layer of one forward step shares: per-row positions and their rotary angles,
-    the cache window read by attention, and the static choices of implementation."""
-
-    positions: jnp.ndarray  # (B, S) int32 absolute positions of the chunk's tokens
-    cos: jnp.ndarray  # (B, S, rope_dim // 2) float32
-    sin: jnp.ndarray
-    kv_len: int  # attention reads cache positions [0, kv_len)
-    attn_impl: str = "absorb"
-    gemm_impl: str = "bf16"
-    scale_fmt: str | None = None
-    moe_impl: str = "auto"  # routed-expert GEMM: "auto", "kernel" (Pallas grouped), "gather", "ragged"
-    unroll: bool = False  # unroll the layer scans (longer compile, no loop between layers)
-    decode_attn: str = "xla"  # absorbed attention of single-token steps: "xla" einsums or the Pallas "kernel"
 
 
 def insert_rows(window: jnp.ndarray, values: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
@@ -71,14 +55,14 @@ def _einsum(spec: str, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
 class MLA(nnx.Module):
     """Multi-head latent attention for one layer (its parameters may carry a leading layer axis)."""
 
-    def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), dtype=jnp.bfloat16,
+    def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), param_dtype=jnp.bfloat16,
                  rngs: nnx.Rngs | None = None):
         self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.kv_lora_rank = args.kv_lora_rank
         self.softmax_scale = args.softmax_scale
         self.rope_interleave = args.rope_interleave
         qk_dim, heads = args.qk_head_dim, args.n_heads
-        common = dict(stack=stack, dtype=dtype, fp8=args.quantized, rngs=rngs)
+        common = dict(stack=stack, param_dtype=param_dtype, fp8=args.quantized, rngs=rngs)
         if args.q_lora_rank == 0:
             self.wq = Linear(args.dim, heads * qk_dim, parallel="column", **common)
         else:
@@ -96,7 +80,7 @@ class MLA(nnx.Module):
         `cache` is read, not written: attention sees its window with this chunk's entries put in
         place, and the caller stores the returned entries (see `write_cache`)."""
         batch, seq, _ = x.shape
-        gemm = dict(gemm_impl=ctx.gemm_impl, scale_fmt=ctx.scale_fmt)
+        gemm = ctx.gemm
         if hasattr(self, "wq"):
             q = self.wq(x, **gemm)
         else:
@@ -114,7 +98,7 @@ class MLA(nnx.Module):
         key_pos = jnp.arange(ctx.kv_len)
         visible = key_pos[None, None, None, :] <= ctx.positions[:, :, None, None]  # (B, S, 1, T)
 
-        if ctx.attn_impl == "naive":
+        if ctx.options.attn_impl == "naive":
             kv_full = self.wkv_b(latent, **gemm).reshape(batch, seq, heads, self.nope_dim + self.v_dim)
             k_nope, v = kv_full[..., : self.nope_dim], kv_full[..., self.nope_dim:]
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (batch, seq, heads, self.rope_dim))], -1)
@@ -129,9 +113,7 @@ class MLA(nnx.Module):
             wkv_b = self.wkv_b.dequantized(x.dtype).reshape(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
             entries = dict(kv=latent, pe=k_pe)
             q_latent = _einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : self.nope_dim]).astype(x.dtype)
-            if ctx.decode_attn == "kernel" and seq == 1:
-                from pallas_kernels.mla_decode import mla_decode
-
+            if ctx.options.decode_attn == "kernel" and seq == 1:
                 # read in place: cache positions < p are the row's older tokens, plus its new entry
                 out_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], cache["kv"], cache["pe"], layer,
                                         ctx.positions[:, 0], latent[:, 0], k_pe[:, 0], scale=self.softmax_scale,

@@ -13,6 +13,14 @@ from .config import ModelArgs
 from .layers import MODEL_AXIS
 
 
+def cache_window(end: int, max_seq_len: int) -> int:
+    """The attention window for positions < end: the next power of two (at least 64), capped.
+
+    A step is compiled once per window, so windows come in few sizes; attention reads only
+    cache positions [0, window)."""
+    return min(max_seq_len, max(64, 1 << max(0, end - 1).bit_length()))
+
+
 def cache_shapes(args: ModelArgs, attn_impl: str, batch: int, length: int) -> dict[str, tuple[int, ...]]:
     layers = args.n_layers
     if attn_impl == "naive":

@@ -15,10 +15,22 @@ and it shares each input with the others.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
 from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from .api import load
+from .config import ConfigError
+from .generate import generate, warm_up
+from .options import add_flags, from_flags
+from .safetensors_io import CheckpointError
+from .tokenizer import Tokenizer, TokenizerError
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "assets" / "tiny"
 MAX_BATCH_PROMPTS = 8
@@ -45,9 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first turn (turn i uses seed + i)")
     parser.add_argument("--num-devices", type=int, default=None, help="devices of the mesh (default: all, "
                         "over all processes)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--gemm-impl", default="bf16", choices=["bf16", "fp8"])
-    parser.add_argument("--attn-impl", default="absorb", choices=["absorb", "naive"])
+    add_flags(parser)
     parser.add_argument("--max-seq-len", type=int, default=4096)
     parser.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
     parser.add_argument("--num-processes", type=int, default=None)
@@ -65,7 +75,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def start_distributed(args: argparse.Namespace) -> None:
     """jax.distributed.initialize when flags or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
     JAX_PROCESS_ID ask for it (unset values are left to jax's cluster detection, e.g. SLURM)."""
-    import jax
 
     def setting(flag, variable):
         if flag is not None:
@@ -92,7 +101,6 @@ class Console:
     it reads is broadcast so that all processes take the same turn."""
 
     def __init__(self):
-        import jax
 
         self.processes = jax.process_count()
         self.leader = jax.process_index() == 0
@@ -101,8 +109,6 @@ class Console:
         """Process 0's `text` (None for end of input) on every process."""
         if self.processes == 1:
             return text
-        import numpy as np
-        from jax.experimental import multihost_utils
 
         data = np.frombuffer(text.encode("utf-8"), np.uint8) if self.leader and text is not None else None
         size = np.array([-1 if data is None else data.size], np.int32) if self.leader else np.zeros(1, np.int32)
@@ -156,23 +162,18 @@ class StreamPrinter:
 
 
 def load_model(args: argparse.Namespace, batch: int):
-    import jax
 
-    import dsv3_jax
-    from .tokenizer import Tokenizer
 
     path = args.ckpt_path or DEFAULT_CHECKPOINT
     tokenizer = Tokenizer.from_dir(path)
     if tokenizer.eos_id is None:
         raise ChatError(f"the tokenizer in {path} names no eos_token")
-    model = dsv3_jax.load(path, dtype=args.dtype, attn_impl=args.attn_impl, gemm_impl=args.gemm_impl,
-                          num_devices=args.num_devices or jax.device_count(),
+    model = load(path, options=from_flags(args), num_devices=args.num_devices or jax.device_count(),
                           max_batch_size=batch, max_seq_len=args.max_seq_len, config=args.config)
     return model, tokenizer
 
 
 def run_interactive(args: argparse.Namespace, console: Console) -> None:
-    from .generate import generate, warm_up
 
     model, tokenizer = load_model(args, batch=1)
     if console.leader:
@@ -232,7 +233,6 @@ def read_prompts(path: Path, console: Console) -> list[str]:
 
 
 def run_batch(args: argparse.Namespace, console: Console) -> None:
-    from .generate import warm_up
 
     prompts = read_prompts(args.input_file, console)
     model, tokenizer = load_model(args, batch=len(prompts))
@@ -253,10 +253,7 @@ def check_same_settings(args: argparse.Namespace, console: Console) -> None:
     than a hang at the first step that differs."""
     if console.processes == 1:
         return
-    import hashlib
 
-    import numpy as np
-    from jax.experimental import multihost_utils
 
     ignored = {"coordinator_address", "num_processes", "process_id"}
     settings = repr(sorted((k, str(v)) for k, v in vars(args).items() if k not in ignored))
@@ -270,9 +267,6 @@ def check_same_settings(args: argparse.Namespace, console: Console) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from .config import ConfigError
-    from .safetensors_io import CheckpointError
-    from .tokenizer import TokenizerError
 
     try:
         start_distributed(args)

@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pallas_kernels import FP8_BLOCK
+
 
 class ConfigError(ValueError):
     """A configuration that cannot describe a DeepSeek-V2/V3 model; the message names the field."""
@@ -247,7 +249,7 @@ _HF_IGNORED = {
     "id2label", "label2id", "problem_type", "tokenizer_class", "chunk_size_feed_forward", "is_encoder_decoder",
     "add_cross_attention", "tf_legacy_loss", "use_bfloat16", "torchscript", "sep_token_id",
     "decoder_start_token_id", "task_specific_params", "finetuning_task", "prefix", "pruned_heads",
-    "cross_attention_hidden_size", "is_decoder", "tie_encoder_decoder", "moe_layer_freq", "use_flash_attn",
+    "cross_attention_hidden_size", "is_decoder", "tie_encoder_decoder", "use_flash_attn",
 }
 
 
@@ -321,8 +323,8 @@ def _translate_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if quant:
         if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
             raise ConfigError("config key 'quantization_config' must describe block-wise fp8 e4m3")
-        if list(quant.get("weight_block_size", [128, 128])) != [128, 128]:
-            raise ConfigError("config key 'quantization_config.weight_block_size' must be [128, 128]")
+        if list(quant.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])) != [FP8_BLOCK, FP8_BLOCK]:
+            raise ConfigError(f"config key 'quantization_config.weight_block_size' must be [{FP8_BLOCK}, {FP8_BLOCK}]")
         out["dtype"] = "fp8"
         out["scale_fmt"] = quant.get("scale_fmt")
     return out

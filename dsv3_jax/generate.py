@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .api import cache_window
+from .cache import cache_window
 
 MIN_PREFILL_BUCKET = 16
 

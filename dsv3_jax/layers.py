@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import FP8_BLOCK, FP8_DTYPE, act_quant, cdiv, fp8_gemm, weight_dequant
+
 MODEL_AXIS = "mp"  # the mesh axis over which heads, hidden units, experts and vocabulary are split
-FP8_BLOCK = 128
-FP8_DTYPE = jnp.float8_e4m3fn
 
 
 def param(value, partition) -> nnx.Param:
@@ -50,7 +50,7 @@ class Linear(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, parallel: str | None = None,
-                 stack: tuple[int, ...] = (), stack_partition: tuple = (), dtype=jnp.bfloat16,
+                 stack: tuple[int, ...] = (), stack_partition: tuple = (), param_dtype=jnp.bfloat16,
                  fp8: bool = False, rngs: nnx.Rngs | None = None):
         stack_partition = tuple(stack_partition) or (None,) * len(stack)
         split = {"column": (MODEL_AXIS, None), "row": (None, MODEL_AXIS), None: (None, None)}[parallel]
@@ -59,25 +59,21 @@ class Linear(nnx.Module):
         self.parallel = parallel
         if fp8:
             self.weight = param(init_fp8(rngs, shape), stack_partition + split)
-            scale_shape = (*stack, -(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
+            scale_shape = (*stack, cdiv(out_features, FP8_BLOCK), cdiv(in_features, FP8_BLOCK))
             self.scale = param(jnp.full(scale_shape, std, jnp.float32), stack_partition + split)
         else:
-            self.weight = param(init_normal(rngs, shape, dtype, std), stack_partition + split)
+            self.weight = param(init_normal(rngs, shape, param_dtype, std), stack_partition + split)
             self.scale = None
 
     def dequantized(self, dtype) -> jnp.ndarray:
         """The weight in `dtype` (block scales applied when the weight is fp8)."""
         if self.scale is None:
             return self.weight[...].astype(dtype)
-        from pallas_kernels import weight_dequant
-
         return weight_dequant(self.weight[...], self.scale[...], block_size=FP8_BLOCK, out_dtype=dtype)
 
     def __call__(self, x: jnp.ndarray, *, gemm_impl: str = "bf16", scale_fmt: str | None = None,
                  reduce: bool = False, out_dtype=None) -> jnp.ndarray:
         if self.scale is not None and gemm_impl == "fp8":
-            from pallas_kernels import act_quant, fp8_gemm
-
             xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
             y = fp8_gemm(xq, xs, self.weight[...], self.scale[...], out_dtype=jnp.float32)
         else:
@@ -108,8 +104,8 @@ class ParallelEmbedding(nnx.Module):
     the full embedding.
     """
 
-    def __init__(self, vocab_size: int, dim: int, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
-        self.weight = param(init_normal(rngs, (vocab_size, dim), dtype, 1.0), (MODEL_AXIS, None))
+    def __init__(self, vocab_size: int, dim: int, *, param_dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        self.weight = param(init_normal(rngs, (vocab_size, dim), param_dtype, 1.0), (MODEL_AXIS, None))
 
     def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
         local_rows = self.weight.shape[0]

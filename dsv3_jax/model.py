@@ -11,34 +11,43 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import MLA, StepContext, write_cache
+from .attention import MLA, write_cache
 from .config import ModelArgs
 from .layers import MODEL_AXIS, Linear, ParallelEmbedding, RMSNorm
 from .moe import MLP, MoE
+from .options import StepContext
 
 
 class Block(nnx.Module):
     """h = x + attn(attn_norm(x)); out = h + ffn(ffn_norm(h)), with a dense MLP or an MoE as ffn."""
 
-    def __init__(self, args: ModelArgs, *, moe: bool, stack: tuple[int, ...] = (), dtype=jnp.bfloat16,
+    def __init__(self, args: ModelArgs, *, moe: bool, stack: tuple[int, ...] = (), param_dtype=jnp.bfloat16,
                  rngs: nnx.Rngs | None = None):
-        self.attn = MLA(args, stack=stack, dtype=dtype, rngs=rngs)
+        self.attn = MLA(args, stack=stack, param_dtype=param_dtype, rngs=rngs)
         if moe:
-            self.ffn = MoE(args, stack=stack, dtype=dtype, rngs=rngs)
+            self.ffn = MoE(args, stack=stack, param_dtype=param_dtype, rngs=rngs)
         else:
-            self.ffn = MLP(args.dim, args.inter_dim, stack=stack, dtype=dtype, fp8=args.quantized, rngs=rngs)
+            self.ffn = MLP(args.dim, args.inter_dim, stack=stack, param_dtype=param_dtype, fp8=args.quantized,
+                           rngs=rngs)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, stack=stack)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, stack=stack)
 
     def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict, layer, stack_index=None):
-        """-> (block output, this layer's new cache entries). `layer` indexes the cache; `stack_index`
-        the routed-expert weight stack, when the experts hold every layer of their stack."""
-        attn_out, entries = self.attn(self.attn_norm(x), ctx, cache, layer)
+        """-> (block output, this layer's new cache entries). `layer` (the model's layer number)
+        indexes the cache; `stack_index` (the layer's place in its stack) the routed-expert weight
+        stack, when the experts hold every layer of their stack."""
+        with jax.named_scope("attn_norm"):
+            normed = self.attn_norm(x)
+        with jax.named_scope("attention"):
+            attn_out, entries = self.attn(normed, ctx, cache, layer)
         h = x + attn_out
+        with jax.named_scope("ffn_norm"):
+            normed = self.ffn_norm(h)
         if isinstance(self.ffn, MoE):
-            ffn_out = self.ffn(self.ffn_norm(h), ctx.gemm_impl, ctx.scale_fmt, ctx.moe_impl, stack_index)
+            ffn_out = self.ffn(normed, ctx, stack_index)
         else:
-            ffn_out = self.ffn(self.ffn_norm(h), ctx.gemm_impl, ctx.scale_fmt, reduce=True)
+            with jax.named_scope("mlp"):
+                ffn_out = self.ffn(normed, ctx, reduce=True)
         return h + ffn_out, entries
 
 
@@ -55,32 +64,39 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict, first
         block = nnx.merge(graphdef, routed, layer_state)
         return block(h, ctx, cache, first_layer + index, index if has_routed else None)
 
-    return jax.lax.scan(one_layer, x, (rest, jnp.arange(depth)), unroll=depth if ctx.unroll else 1)
+    return jax.lax.scan(one_layer, x, (rest, jnp.arange(depth)), unroll=depth if ctx.options.unroll else 1)
 
 
 class Transformer(nnx.Module):
     """Embedding, the dense and MoE layer stacks, final norm and the vocabulary-parallel head."""
 
-    def __init__(self, args: ModelArgs, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
-        self.embed = ParallelEmbedding(args.vocab_size, args.dim, dtype=dtype, rngs=rngs)
-        self.dense_layers = (Block(args, moe=False, stack=(args.n_dense_layers,), dtype=dtype, rngs=rngs)
+    def __init__(self, args: ModelArgs, *, param_dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+        self.embed = ParallelEmbedding(args.vocab_size, args.dim, param_dtype=param_dtype, rngs=rngs)
+        common = dict(param_dtype=param_dtype, rngs=rngs)
+        self.dense_layers = (Block(args, moe=False, stack=(args.n_dense_layers,), **common)
                              if args.n_dense_layers else None)
-        self.moe_layers = (Block(args, moe=True, stack=(args.n_moe_layers,), dtype=dtype, rngs=rngs)
-                           if args.n_moe_layers else None)
+        self.moe_layers = Block(args, moe=True, stack=(args.n_moe_layers,), **common) if args.n_moe_layers else None
         self.n_dense_layers = args.n_dense_layers
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.head = Linear(args.dim, args.vocab_size, parallel="column", dtype=dtype, rngs=rngs)
+        self.head = Linear(args.dim, args.vocab_size, parallel="column", param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, tokens: jnp.ndarray, ctx: StepContext, cache: dict,
                  last_index: jnp.ndarray) -> tuple[jnp.ndarray, dict]:
         """tokens (B, S) -> float32 logits (B, vocab) at each row's `last_index`, and the updated cache."""
-        h = self.embed(tokens)
+        with jax.named_scope("embed"):
+            h = self.embed(tokens)
         entries = []
-        for stack, first in ((self.dense_layers, 0), (self.moe_layers, self.n_dense_layers)):
+        for stack, first, name in ((self.dense_layers, 0, "dense_layers"),
+                                   (self.moe_layers, self.n_dense_layers, "moe_layers")):
             if stack is not None:
-                h, new = run_stack(stack, h, ctx, cache, first)
+                with jax.named_scope(name):
+                    h, new = run_stack(stack, h, ctx, cache, first)
                 entries.append(new)
-        cache = write_cache(cache, jax.tree.map(lambda *e: jnp.concatenate(e), *entries), ctx.positions)
+        with jax.named_scope("cache_write"):
+            cache = write_cache(cache, jax.tree.map(lambda *e: jnp.concatenate(e), *entries), ctx.positions)
         h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]
-        logits = self.head(self.norm(h), out_dtype=jnp.float32)
+        with jax.named_scope("norm"):
+            h = self.norm(h)
+        with jax.named_scope("head"):
+            logits = self.head(h, out_dtype=jnp.float32)
         return jax.lax.all_gather(logits, MODEL_AXIS, axis=1, tiled=True), cache

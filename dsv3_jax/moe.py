@@ -13,23 +13,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import FP8_BLOCK, act_quant, grouped_gemm, use_interpret
+from pallas_kernels.reference import weight_dequant_ref
+
 from .config import ModelArgs
-from .layers import FP8_BLOCK, MODEL_AXIS, Linear, init_normal, param
+from .layers import MODEL_AXIS, Linear, init_normal, param
+from .options import StepContext
 
 
 class MLP(nnx.Module):
     """w2(silu(w1 x) * w3 x): column-parallel w1/w3, row-parallel w2 (summed over ranks when `reduce`)."""
 
-    def __init__(self, dim: int, inter_dim: int, *, stack: tuple[int, ...] = (), dtype=jnp.bfloat16,
+    def __init__(self, dim: int, inter_dim: int, *, stack: tuple[int, ...] = (), param_dtype=jnp.bfloat16,
                  fp8: bool = False, rngs: nnx.Rngs | None = None):
-        common = dict(stack=stack, dtype=dtype, fp8=fp8, rngs=rngs)
+        common = dict(stack=stack, param_dtype=param_dtype, fp8=fp8, rngs=rngs)
         self.w1 = Linear(dim, inter_dim, parallel="column", **common)
         self.w2 = Linear(inter_dim, dim, parallel="row", **common)
         self.w3 = Linear(dim, inter_dim, parallel="column", **common)
 
-    def __call__(self, x: jnp.ndarray, gemm_impl: str = "bf16", scale_fmt: str | None = None,
-                 reduce: bool = False) -> jnp.ndarray:
-        gemm = dict(gemm_impl=gemm_impl, scale_fmt=scale_fmt)
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, reduce: bool = False) -> jnp.ndarray:
+        gemm = ctx.gemm
         hidden = jax.nn.silu(self.w1(x, **gemm).astype(jnp.float32)).astype(x.dtype) * self.w3(x, **gemm)
         return self.w2(hidden, reduce=reduce, **gemm)
 
@@ -42,14 +45,14 @@ class Gate(nnx.Module):
     `n_limited_groups` groups compete (group score: max, or the sum of the top two with a bias).
     """
 
-    def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), dtype=jnp.bfloat16,
+    def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), param_dtype=jnp.bfloat16,
                  rngs: nnx.Rngs | None = None):
         self.topk = args.n_activated_experts
         self.n_groups, self.topk_groups = args.n_expert_groups, args.n_limited_groups
         self.score_func, self.route_scale = args.score_func, args.route_scale
         self.normalize = args.normalize_topk
         lead = (None,) * len(stack)
-        self.weight = param(init_normal(rngs, (*stack, args.n_routed_experts, args.dim), dtype, args.dim**-0.5),
+        self.weight = param(init_normal(rngs, (*stack, args.n_routed_experts, args.dim), param_dtype, args.dim**-0.5),
                             lead + (None, None))
         self.bias = (param(jnp.zeros((*stack, args.n_routed_experts), jnp.float32), lead + (None,))
                      if args.gate_bias else None)
@@ -79,14 +82,12 @@ class Gate(nnx.Module):
 
 def grouped_kernel_applies(in_dims: tuple[int, ...]) -> bool:
     """Whether the routed-expert GEMM can use the Pallas grouped kernel: on a GPU, K a multiple of 128."""
-    from pallas_kernels._common import use_interpret
-
     return not use_interpret() and all(k % FP8_BLOCK == 0 for k in in_dims)
 
 
 def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | None, group_sizes: jnp.ndarray,
                    *, gemm_impl: str = "bf16", scale_fmt: str | None = None, use_kernel: bool = False,
-                   layer=None) -> jnp.ndarray:
+                   stack_index=None) -> jnp.ndarray:
     """Rows of x (M, in), sorted by expert, times their expert's W^T (weight (E, out, in)) -> float32.
 
     group_sizes (E,) counts the rows of each expert; rows past their sum come out as zeros.
@@ -94,29 +95,23 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     `jax.lax.ragged_dot_general`, which streams every expert. With an fp8 weight, "bf16"
     dequantises it (in the kernel, tile by tile); "fp8" also rounds the activations through
     `act_quant`: exactly the scaled fp8 GEMM's products on the XLA path, carried in x's dtype
-    in the kernel (exact for ue8m0 scales, within 2^-9 otherwise). With `layer` (kernel only),
-    weight and scale are a stack over layers (L, E, out, in) of which layer `layer` is used.
+    in the kernel (exact for ue8m0 scales, within 2^-9 otherwise). With `stack_index` (kernel only),
+    weight and scale are a stack over layers (L, E, out, in) of which layer `stack_index` is used.
     """
     if scale is not None and gemm_impl == "fp8":
-        from pallas_kernels import act_quant
-
         xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
         blocks = xq.astype(jnp.float32).reshape(x.shape[0], -1, FP8_BLOCK) * xs[..., None]
         x = blocks.reshape(x.shape).astype(x.dtype if use_kernel else jnp.float32)
     if use_kernel:
-        from pallas_kernels.grouped_gemm import grouped_gemm
-
         # decode-sized batches: short row tiles; prefill: taller tiles re-read each expert less often
         block_m, block_n = (16, 64) if x.shape[0] <= 1024 else (64, 128)
-        return grouped_gemm(x, weight, group_sizes, scale, layer=layer, out_dtype=jnp.float32, block_m=block_m,
-                            block_n=block_n if scale is None else min(block_n, FP8_BLOCK))
-    if layer is not None:
-        raise ValueError("grouped_matmul: a stack of layers' weights (`layer`) needs the kernel")
+        return grouped_gemm(x, weight, group_sizes, scale, layer=stack_index, out_dtype=jnp.float32,
+                            block_m=block_m, block_n=block_n if scale is None else min(block_n, FP8_BLOCK))
+    if stack_index is not None:
+        raise ValueError("grouped_matmul: a stack of layers' weights (`stack_index`) needs the kernel")
     if scale is not None:
         # the jnp twin, not the Pallas kernel: vmapped over experts, the kernel would address a 1-byte
-        # stack of 2^31..2^32 elements with 32-bit offsets (see pallas_kernels/grouped_gemm.py)
-        from pallas_kernels.reference import weight_dequant_ref
-
+        # stack of 2^31..2^32 elements with 32-bit offsets (see pallas_kernels/grouped.py)
         dequantize = functools.partial(weight_dequant_ref, block_size=FP8_BLOCK, out_dtype=x.dtype)
         weight = jax.vmap(dequantize)(weight, scale)
     dims = jax.lax.RaggedDotDimensionNumbers(
@@ -129,27 +124,27 @@ class Experts(nnx.Module):
     """The routed experts of one MoE layer, stacked (E, out, in) and split over ranks by expert.
 
     Inside the layer scan the module may hold the weights of all its stack's layers (L, E, out,
-    in) with `layer` naming its own: the grouped kernel then reads that layer's experts in place,
-    where slicing them out in the loop would copy every expert's weights at every layer."""
+    in) with `stack_index` naming its own: the grouped kernel then reads that layer's experts in
+    place, where slicing them out in the loop would copy every expert's weights at every layer."""
 
-    def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), dtype=jnp.bfloat16,
+    def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), param_dtype=jnp.bfloat16,
                  rngs: nnx.Rngs | None = None):
         common = dict(stack=(*stack, args.n_routed_experts), stack_partition=(None,) * len(stack) + (MODEL_AXIS,),
-                      dtype=dtype, fp8=args.quantized, rngs=rngs)
+                      param_dtype=param_dtype, fp8=args.quantized, rngs=rngs)
         self.w1 = Linear(args.dim, args.moe_inter_dim, **common)
         self.w2 = Linear(args.moe_inter_dim, args.dim, **common)
         self.w3 = Linear(args.dim, args.moe_inter_dim, **common)
 
-    def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, indices: jnp.ndarray, gemm_impl: str = "bf16",
-                 scale_fmt: str | None = None, moe_impl: str = "auto", layer=None) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, indices: jnp.ndarray, ctx: StepContext,
+                 stack_index=None) -> jnp.ndarray:
         """This rank's share of sum_k weight_k * expert_k(x): x (N, dim), weights/indices (N, k).
 
         moe_impl "auto" picks the Pallas grouped kernel on a GPU; elsewhere it gathers the experts
         in use when they are few (decoding), else runs `ragged_dot` over all local experts."""
         tokens, topk = indices.shape
         stacked = self.w1.weight.ndim == 4
-        if stacked != (layer is not None):
-            raise ValueError("Experts: a stack of layers' weights goes with `layer`")
+        if stacked != (stack_index is not None):
+            raise ValueError("Experts: a stack of layers' weights goes with `stack_index`")
         local_experts = self.w1.weight.shape[-3]
         first = jax.lax.axis_index(MODEL_AXIS) * local_experts
         local_ids = indices.reshape(-1) - first
@@ -163,13 +158,14 @@ class Experts(nnx.Module):
         # only the experts in use, and without it, with few rows, the experts in use are gathered
         # first (ascending, like the sorted rows).
         in_dims = (self.w1.weight.shape[-1], self.w2.weight.shape[-1])
+        moe_impl = ctx.options.moe_impl
         if moe_impl == "auto":
             use_kernel = grouped_kernel_applies(in_dims)
             gather = not use_kernel and 2 * tokens * topk <= local_experts
         else:
             use_kernel, gather = moe_impl == "kernel", moe_impl == "gather"
         in_layer = (lambda a: a) if not stacked else (  # noqa: E731
-            lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
+            lambda a: jax.lax.dynamic_index_in_dim(a, stack_index, 0, keepdims=False))
         if gather:
             # at most every local expert plus the marker of foreign assignments: the gathered weights
             # never outgrow the layer's own, however many tokens the step holds
@@ -184,8 +180,8 @@ class Experts(nnx.Module):
         def gmm(linear: Linear, inputs):
             scale = None if linear.scale is None else select(linear.scale[...])
             return grouped_matmul(inputs, select(linear.weight[...]), scale, slot_sizes.astype(jnp.int32),
-                                  gemm_impl=gemm_impl, scale_fmt=scale_fmt, use_kernel=use_kernel,
-                                  layer=layer if use_kernel and stacked else None)
+                                  **ctx.gemm, use_kernel=use_kernel,
+                                  stack_index=stack_index if use_kernel and stacked else None)
 
         hidden = (jax.nn.silu(gmm(self.w1, rows)) * gmm(self.w3, rows)).astype(x.dtype)
         out = gmm(self.w2, hidden) * weights.reshape(-1)[order][:, None]
@@ -196,19 +192,22 @@ class Experts(nnx.Module):
 class MoE(nnx.Module):
     """Gate + routed experts + shared experts; one psum over ranks assembles the output."""
 
-    def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), dtype=jnp.bfloat16,
+    def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), param_dtype=jnp.bfloat16,
                  rngs: nnx.Rngs | None = None):
-        self.gate = Gate(args, stack=stack, dtype=dtype, rngs=rngs)
-        self.experts = Experts(args, stack=stack, dtype=dtype, rngs=rngs)
-        self.shared_experts = MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, stack=stack, dtype=dtype,
-                                  fp8=args.quantized, rngs=rngs) if args.n_shared_experts else None
+        self.gate = Gate(args, stack=stack, param_dtype=param_dtype, rngs=rngs)
+        self.experts = Experts(args, stack=stack, param_dtype=param_dtype, rngs=rngs)
+        self.shared_experts = (MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, stack=stack,
+                                   param_dtype=param_dtype, fp8=args.quantized, rngs=rngs)
+                               if args.n_shared_experts else None)
 
-    def __call__(self, x: jnp.ndarray, gemm_impl: str = "bf16", scale_fmt: str | None = None,
-                 moe_impl: str = "auto", layer=None) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, stack_index=None) -> jnp.ndarray:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, indices = self.gate(flat)
-        y = self.experts(flat, weights, indices, gemm_impl, scale_fmt, moe_impl, layer)
+        with jax.named_scope("gate"):
+            weights, indices = self.gate(flat)
+        with jax.named_scope("routed_experts"):
+            y = self.experts(flat, weights, indices, ctx, stack_index)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(flat, gemm_impl, scale_fmt).astype(jnp.float32)
+            with jax.named_scope("shared_experts"):
+                y = y + self.shared_experts(flat, ctx).astype(jnp.float32)
         return jax.lax.psum(y, MODEL_AXIS).astype(x.dtype).reshape(shape)

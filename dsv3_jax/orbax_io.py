@@ -1,6 +1,6 @@
 """The JAX-native checkpoint: the model state in its stacked layout as an orbax checkpoint.
 
-Layout of a directory written by convert/to_orbax.py:
+Layout of a directory written by `dsv3-to-orbax` (dsv3_jax/convert/to_orbax.py):
 
     config.json         the Hugging Face config (ModelArgs.from_file reads it)
     tokenizer*          the tokenizer files
@@ -44,7 +44,7 @@ CHUNK_BYTES = 4 << 20  # TensorStore read chunk inside each written block: a dev
 
 
 def is_orbax_checkpoint(directory: str | Path) -> bool:
-    """A directory written by convert/to_orbax.py (an orbax checkpoint in `state/`)."""
+    """A directory written by `dsv3-to-orbax` (an orbax checkpoint in `state/`)."""
     return (Path(directory) / STATE_DIR / "_CHECKPOINT_METADATA").is_file()
 
 
@@ -61,6 +61,7 @@ class StreamedArray:
 
 
 def _streamed_array_handler(flush_bytes: int):
+    # orbax and tensorstore take seconds to import: only orbax checkpoints pay for them
     import orbax.checkpoint as ocp
     import tensorstore as ts
     from orbax.checkpoint._src.serialization import ocdbt_utils
@@ -110,7 +111,7 @@ def save_streamed(directory: str | Path, tree: dict) -> None:
     Peak host memory: about twice the largest block (one block being read, plus the write batch,
     which is committed once it reaches the largest block's size).
     """
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # slow to import: see _streamed_array_handler
 
     leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, StreamedArray))
     largest = max(int(np.prod(leaf.block_shape)) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
@@ -126,7 +127,7 @@ def save_streamed(directory: str | Path, tree: dict) -> None:
 # ------------------------------------------------------------------ reading onto a mesh
 def stored_arrays(directory: str | Path) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
     """(path -> (shape, dtype)) of every array in the checkpoint, read from its metadata only."""
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # slow to import: see _streamed_array_handler
 
     state_dir = Path(directory).absolute() / STATE_DIR
     try:
@@ -152,7 +153,7 @@ def restore_state(directory: str | Path, abstract_state: nnx.State, args: ModelA
     weights stored as fp8; other stored dtypes are cast to the model's. Only "mtp" may hold extra
     arrays (they are not read).
     """
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # slow to import: see _streamed_array_handler
 
     stored = stored_arrays(directory)
     specs = {tuple(str(p) for p in path): spec for path, spec in nnx.to_flat_state(partition_specs(abstract_state))}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -88,28 +89,63 @@ class SafetensorsFile:
         return flat.view(dtype).reshape(shape)
 
 
+class SafetensorsWriter:
+    """Writes one safetensors file tensor by tensor, in a layout fixed up front.
+
+    The header (names, dtypes, shapes, offsets) is written first; `write` then appends each
+    tensor's bytes in layout order, so only the tensor being written is ever in memory.
+    """
+
+    def __init__(self, path: str | Path, layout: Sequence[tuple[str, np.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {"format": "pt"}).items()}}
+        offset = 0
+        self._layout = []
+        for name, dtype, shape in layout:
+            dtype = np.dtype(dtype)
+            if dtype not in DTYPE_NAMES:
+                raise ValueError(f"{self.path.name}: tensor {name!r} has unsupported dtype {dtype}")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self._layout.append((name, dtype, tuple(shape)))
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self._handle = open(self.path, "wb")
+        self._handle.write(struct.pack("<Q", len(blob)) + blob)
+        self._next = 0
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        expected, dtype, shape = self._layout[self._next]
+        if name != expected or array.dtype != dtype or tuple(array.shape) != shape:
+            raise RuntimeError(f"{self.path.name}: got {name} {array.dtype} {tuple(array.shape)}, "
+                               f"the layout expects {expected} {dtype} {shape}")
+        self._handle.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        self._next += 1
+
+    def close(self) -> None:
+        self._handle.close()
+        if self._next != len(self._layout):
+            raise RuntimeError(f"{self.path.name}: {len(self._layout) - self._next} tensors were never written")
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._handle.close()
+
+
 def save_file(tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, str] | None = None) -> None:
     """Write numpy arrays (ml_dtypes bfloat16 / float8 included) as one safetensors file."""
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    arrays = []
-    for name, array in tensors.items():
-        array = np.ascontiguousarray(array)
-        if array.dtype not in DTYPE_NAMES:
-            raise ValueError(f"save_file: tensor {name!r} has unsupported dtype {array.dtype}")
-        header[name] = {"dtype": DTYPE_NAMES[array.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
-        arrays.append(array)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as handle:
-        handle.write(struct.pack("<Q", len(blob)))
-        handle.write(blob)
-        for array in arrays:
-            handle.write(array.tobytes())
+    arrays = {name: np.asarray(array) for name, array in tensors.items()}
+    with SafetensorsWriter(path, [(name, a.dtype, a.shape) for name, a in arrays.items()], metadata) as writer:
+        for name, array in arrays.items():
+            writer.write(name, array)
 
 
 class TensorIndex:

@@ -6,8 +6,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from pallas_kernels import FP8_BLOCK
+
 from .config import ModelArgs
-from .layers import FP8_BLOCK, MODEL_AXIS
+from .layers import MODEL_AXIS
 
 
 def make_mesh(num_devices: int | None = None, devices=None) -> Mesh:
@@ -22,8 +24,9 @@ def make_mesh(num_devices: int | None = None, devices=None) -> Mesh:
     return Mesh(np.array(devices[:num_devices]), (MODEL_AXIS,))
 
 
-def check_divisible(args: ModelArgs, parts: int) -> None:
-    """Every split dimension must divide evenly over the mesh (fp8: into whole 128-blocks)."""
+def check_divisible(args: ModelArgs, parts: int, what: str = "devices of the mesh") -> None:
+    """Every split dimension must divide evenly over the `parts` devices of a mesh, or the ranks of
+    a per-rank checkpoint (`what` names them); fp8 weights into whole 128-blocks."""
     sizes = {"n_heads": args.n_heads, "vocab_size": args.vocab_size, "inter_dim": args.inter_dim}
     if args.n_moe_layers:
         sizes["n_routed_experts"] = args.n_routed_experts
@@ -31,7 +34,7 @@ def check_divisible(args: ModelArgs, parts: int) -> None:
             sizes["n_shared_experts * moe_inter_dim"] = args.n_shared_experts * args.moe_inter_dim
     for name, size in sizes.items():
         if size % parts:
-            raise ValueError(f"{name}={size} is not divisible by the {parts} devices of the mesh")
+            raise ValueError(f"{name}={size} is not divisible by the {parts} {what}")
     if args.quantized and parts > 1:
         split_rows = {"n_heads * qk_head_dim": args.n_heads * args.qk_head_dim,
                       "n_heads * (qk_nope_head_dim + v_head_dim)": args.n_heads * (args.qk_nope_head_dim + args.v_head_dim),
@@ -40,7 +43,37 @@ def check_divisible(args: ModelArgs, parts: int) -> None:
             split_rows["n_shared_experts * moe_inter_dim"] = args.n_shared_experts * args.moe_inter_dim
         for name, size in split_rows.items():
             if (size // parts) % FP8_BLOCK:
-                raise ValueError(f"fp8: {name}={size} split over {parts} devices is not a multiple of {FP8_BLOCK}")
+                raise ValueError(f"fp8: {name}={size} split over {parts} {what} does not give each whole "
+                                 f"{FP8_BLOCK}-blocks")
+
+
+def parameter_role(path: tuple[str, ...]) -> str:
+    """The paper noun a parameter belongs to (fp8 block scales go with their weight)."""
+    if path[0] in ("embed", "head", "norm"):
+        return {"embed": "embedding", "head": "head", "norm": "norms"}[path[0]]
+    if "attn" in path:
+        return "attention"
+    if "shared_experts" in path:
+        return "shared experts"
+    if "experts" in path:
+        return "routed experts"
+    if "gate" in path:
+        return "gate"
+    if path[0] == "dense_layers" and "ffn" in path:
+        return "dense MLP"
+    return "norms"
+
+
+def parameter_bytes_per_device(state: nnx.State, devices: int) -> dict[str, float]:
+    """Bytes of the parameters of each role (`parameter_role`) that one of `devices` devices holds
+    (split axes divided by the device count); `state` may be abstract."""
+    roles: dict[str, float] = {}
+    for path, variable in nnx.to_flat_state(state):
+        value = variable.get_value()
+        shape = [d // devices if axis else d for d, axis in zip(value.shape, variable.get_metadata()["partition"])]
+        role = parameter_role(tuple(str(p) for p in path))
+        roles[role] = roles.get(role, 0.0) + float(np.prod(shape)) * np.dtype(value.dtype).itemsize
+    return roles
 
 
 def partition_specs(state: nnx.State):

@@ -1,15 +1,23 @@
-"""Pallas (Triton-backend) kernels for DeepSeek-V3's block-wise FP8: standalone, no dsv3_jax imports.
+"""Pallas (Triton-backend) kernels for DeepSeek-V3's block-wise FP8 and MLA: standalone, no dsv3_jax imports.
 
     y, s = act_quant(x, block_size=128, scale_fmt=None)        # x (..., K) -> e4m3 + f32 (..., K/128)
     w = weight_dequant(w_q, s, block_size=128, out_dtype=bf16)  # (M, N) e4m3 + f32 (ceil(M/128), ceil(N/128))
     c = fp8_gemm(a, a_s, b, b_s, out_dtype=bf16)                # (..., K) x (N, K)^T -> (..., N)
+    y = grouped_gemm(x, w, group_sizes, w_scale=None)           # rows sorted by group x (G, N, K)^T
+    o = mla_decode(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_pe, scale=s)
 
 On an NVIDIA GPU the kernels compile through Pallas' Triton backend; on any other backend they
 run in Pallas interpret mode (same results, slowly). All are jit- and shard_map-compatible.
-`pallas_kernels.reference` holds plain-jnp twins used as the tests' oracle.
+`pallas_kernels.reference` holds plain-jnp twins used as the tests' oracle. The modules are named
+for what they do (quantize, dequantize, gemm, grouped, mla), so that each stays reachable beside
+the function it exports. FP8_BLOCK, FP8_DTYPE and cdiv are the one definition the model uses too.
 """
-from .act_quant import act_quant
-from .fp8_gemm import GemmConfig, fp8_gemm
-from .weight_dequant import weight_dequant
+from ._common import BLOCK as FP8_BLOCK, FP8 as FP8_DTYPE, cdiv, use_interpret
+from .dequantize import weight_dequant
+from .gemm import GemmConfig, fp8_gemm
+from .grouped import grouped_gemm
+from .mla import mla_decode
+from .quantize import act_quant
 
-__all__ = ["act_quant", "weight_dequant", "fp8_gemm", "GemmConfig"]
+__all__ = ["FP8_BLOCK", "FP8_DTYPE", "GemmConfig", "act_quant", "cdiv", "fp8_gemm", "grouped_gemm", "mla_decode",
+           "use_interpret", "weight_dequant"]

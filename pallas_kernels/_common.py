@@ -37,12 +37,15 @@ def pow2_at_most(x: int, cap: int) -> int:
     return max(1, min(cap, 1 << (max(1, x).bit_length() - 1)))
 
 
+DEFAULT_SMS = 132  # grid sizing where the device reports no core count (interpret mode): an H100/H200
+
+
 def num_sms() -> int:
-    """Streaming multiprocessors of the default device (132 on an H200), for grid sizing."""
+    """Streaming multiprocessors of the default device (its `core_count`), for grid sizing."""
     try:
-        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+        return int(getattr(jax.devices()[0], "core_count", 0)) or DEFAULT_SMS
     except RuntimeError:
-        return 132
+        return DEFAULT_SMS
 
 
 def fail(fn: str, msg: str) -> None:

@@ -27,20 +27,14 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import FP8_BLOCK, FP8_DTYPE as FP8, GemmConfig, act_quant, cdiv, fp8_gemm, reference, weight_dequant
+from pallas_kernels import dequantize as WD, gemm as GM, quantize as AQ
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import pallas_kernels  # noqa: E402,F401
-from pallas_kernels import GemmConfig, act_quant, fp8_gemm, weight_dequant  # noqa: E402
-
-AQ = sys.modules["pallas_kernels.act_quant"]
-WD = sys.modules["pallas_kernels.weight_dequant"]
-GM = sys.modules["pallas_kernels.fp8_gemm"]
-FP8 = jnp.float8_e4m3fn
 HBM = 4.3e12  # measured copy bandwidth on an H200 here (bytes/s), overridden by this run's
 PEAK_BF16, PEAK_FP8 = 785e12, 1400e12  # XLA on an H200 here, overridden by this run's
 L2 = 60e6
@@ -96,7 +90,7 @@ def rand(key, shape, dtype, scale=1.0):
 
 def weight(key, n, k):
     kw, ks = jax.random.split(key)
-    return rand(kw, (n, k), FP8, 64.0), jnp.exp2(jax.random.uniform(ks, (-(-n // 128), k // 128), minval=-12, maxval=-4))
+    return rand(kw, (n, k), FP8, 64.0), jnp.exp2(jax.random.uniform(ks, (cdiv(n, FP8_BLOCK), k // FP8_BLOCK), minval=-12, maxval=-4))
 
 
 # ---------------------------------------------------------------- ceilings
@@ -158,8 +152,7 @@ def bench_act_quant(sz: Sizes, sweep: bool, sweep_tiles=None) -> dict:
     # ue8m0 and the jnp twin under XLA, for comparison
     t = time_op(lambda x: act_quant(x, scale_fmt="ue8m0"), mk, byts, byts / HBM, sz.max_sets)
     res["ue8m0_default_us"] = t["s"] * 1e6
-    ref = sys.modules["pallas_kernels.reference"]
-    t = time_op(lambda x: ref.act_quant_ref(x), mk, byts, byts / HBM, sz.max_sets)
+    t = time_op(lambda x: reference.act_quant_ref(x), mk, byts, byts / HBM, sz.max_sets)
     res["xla_twin_us"] = t["s"] * 1e6
     res["runs"] = rows
     return res
@@ -185,8 +178,7 @@ def bench_weight_dequant(sz: Sizes, sweep: bool, sweep_tiles=None) -> dict:
         rows.append({"tile": tile or list(WD.default_tile(m, n)), "default": tile is None,
                      "us": t["s"] * 1e6, "GBps": byts / t["s"] / 1e9, "spread": t["spread"]})
         log(f"weight_dequant tile={rows[-1]['tile']} {rows[-1]['us']:.1f} us {rows[-1]['GBps']:.0f} GB/s")
-    ref = sys.modules["pallas_kernels.reference"]
-    t = time_op(lambda w, s: ref.weight_dequant_ref(w, s), mk, byts, byts / HBM, sz.max_sets)
+    t = time_op(lambda w, s: reference.weight_dequant_ref(w, s), mk, byts, byts / HBM, sz.max_sets)
     res["xla_twin_us"] = t["s"] * 1e6
     res["runs"] = rows
     return res
@@ -216,7 +208,7 @@ def candidates(m: int, n: int, k: int) -> list[GemmConfig]:
 
 def bench_gemm(sz: Sizes, m: int, n: int, k: int, ceil: dict, sweep: bool, deadline: float) -> dict:
     flops = 2 * m * n * k
-    b8 = n * k + m * k + m * n * 2 + m * k // 128 * 4 + (-(-n // 128)) * (k // 128) * 4
+    b8 = n * k + m * k + m * n * 2 + m * k // 128 * 4 + cdiv(n, FP8_BLOCK) * (k // FP8_BLOCK) * 4
     b16 = 2 * (n * k + m * k + m * n)
     hbm, pk8, pk16 = ceil["copy_Bps"], ceil["fp8_flops"], ceil["bf16_flops"]
     floor8 = {"mem_us": b8 / hbm * 1e6, "compute_us": flops / pk8 * 1e6}
@@ -275,13 +267,11 @@ def bench_gemm(sz: Sizes, m: int, n: int, k: int, ceil: dict, sweep: bool, deadl
 # ---------------------------------------------------------------- PTX inspection
 INSPECT = r"""
 import sys, json
-sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp
-import pallas_kernels
-GM = sys.modules["pallas_kernels.fp8_gemm"]
+from pallas_kernels import gemm as GM
 m, n, k = 4096, 2048, 7168
 a = jnp.zeros((m, k), jnp.float8_e4m3fn); s = jnp.ones((m, k // 128)); b = jnp.zeros((n, k), jnp.float8_e4m3fn); bs = jnp.ones((n // 128, k // 128))
-for i, c in enumerate(json.loads(sys.argv[2])):
+for i, c in enumerate(json.loads(sys.argv[1])):
     cfg = GM.GemmConfig(**c)
     f = lambda *x, cfg=cfg: GM.fp8_gemm_with_config(*x, cfg)
     f.__name__ = f"inspect_cfg{i}"
@@ -295,7 +285,7 @@ def inspect_ptx(configs: list[GemmConfig]) -> list[dict]:
     d = Path(f"/tmp/bench_kernels_dump_{os.getpid()}")
     env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={d}", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     try:
-        subprocess.run([sys.executable, "-c", INSPECT, str(ROOT), json.dumps([dataclasses.asdict(c) for c in configs])],
+        subprocess.run([sys.executable, "-c", INSPECT, json.dumps([dataclasses.asdict(c) for c in configs])],
                        env=env, check=True, timeout=120, capture_output=True)
     except Exception as e:
         return [{"error": str(e)[:300]}]

@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -26,9 +24,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import dsv3_jax  # noqa: E402
-from dsv3_jax.config import ModelArgs  # noqa: E402
+import dsv3_jax
+from dsv3_jax.chat import start_distributed
+from dsv3_jax.config import ModelArgs
+from dsv3_jax.options import add_flags, choices, from_flags
+from dsv3_jax.schema import abstract_state
+from dsv3_jax.sharding import parameter_bytes_per_device
+
+
+def option_list(name: str):
+    """An argparse type: a comma list of RunOptions field `name`'s allowed values."""
+    def parse(text: str) -> list[str]:
+        values = [v for v in text.split(",") if v]
+        bad = [v for v in values if v not in choices(name)]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{name}: {bad or text!r} not among {choices(name)}")
+        return values
+    return parse
 
 
 def copy_bandwidth(device) -> float:
@@ -44,46 +56,24 @@ def copy_bandwidth(device) -> float:
     return 2 * x.nbytes / float(np.median(times))
 
 
-def weight_bytes(args: ModelArgs, dtype_bytes: int) -> dict[str, float]:
-    """Bytes of the weights by role (fp8 weights: 1 byte + one float32 per 128x128 block)."""
-    wbytes = 1 + 4 / (128 * 128) if args.quantized else dtype_bytes
-
-    def linear(i, o):
-        return i * o * wbytes
-
-    heads = args.n_heads
-    attn = (linear(args.dim, heads * args.qk_head_dim) if args.q_lora_rank == 0 else
-            linear(args.dim, args.q_lora_rank) + linear(args.q_lora_rank, heads * args.qk_head_dim))
-    attn += linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim)
-    attn += linear(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim))
-    attn += linear(heads * args.v_head_dim, args.dim)
-    return {
-        "attn": attn,
-        "dense_mlp": 3 * linear(args.dim, args.inter_dim),
-        "expert": 3 * linear(args.dim, args.moe_inter_dim),
-        "shared": 3 * linear(args.dim, args.n_shared_experts * args.moe_inter_dim),
-        "gate": args.n_routed_experts * args.dim * dtype_bytes,
-        "head": args.vocab_size * args.dim * dtype_bytes,
-    }
-
-
 def decode_bytes(args: ModelArgs, batch: int, context: int, dtype_bytes: int) -> float:
     """Fewest bytes one decode step must read: each selected expert once (expected distinct
-    experts under uniform routing), every other weight once, and the cache rows attended."""
-    w = weight_bytes(args, dtype_bytes)
+    experts under uniform routing), every other weight but the embedding once, and the cache rows attended."""
+    w = parameter_bytes_per_device(abstract_state(args, jnp.bfloat16), 1)
     k, experts = args.n_activated_experts, args.n_routed_experts
     distinct = experts * (1 - (1 - k / experts) ** batch)
-    total = args.n_layers * w["attn"] + args.n_dense_layers * w["dense_mlp"] + w["head"]
-    total += args.n_moe_layers * (w["shared"] + w["gate"] + distinct * w["expert"])
+    total = sum(w.get(role, 0.0) for role in ("attention", "dense MLP", "shared experts", "gate", "norms", "head"))
+    total += w.get("routed experts", 0.0) * distinct / experts
     total += args.n_layers * batch * context * (args.kv_lora_rank + args.qk_rope_head_dim) * dtype_bytes
     return total
 
 
 def prefill_flops(args: ModelArgs, batch: int, length: int) -> float:
     """Matmul FLOPs of a prefill (2 per multiply-add), attention scores included (causal half)."""
-    w = weight_bytes(args.replace(dtype="bf16"), 1)  # element counts
-    per_token = args.n_layers * w["attn"] + args.n_dense_layers * w["dense_mlp"]
-    per_token += args.n_moe_layers * (w["shared"] + w["gate"] + args.n_activated_experts * w["expert"]) + w["head"]
+    w = parameter_bytes_per_device(abstract_state(args.replace(dtype="bf16"), jnp.bfloat16), 1)
+    per_token = sum(w.get(role, 0.0) for role in ("attention", "dense MLP", "shared experts", "gate", "head"))
+    per_token += w.get("routed experts", 0.0) * args.n_activated_experts / args.n_routed_experts
+    per_token /= 2  # bf16 bytes -> elements
     attn = args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * length / 2
     return 2 * batch * length * (per_token + attn)
 
@@ -157,26 +147,25 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="cut the model to this many layers (dense first)")
     parser.add_argument("--dense-layers", type=int, help="with --layers: how many of them are dense")
     parser.add_argument("--weights", choices=("bf16", "fp8"), help="weight storage (default: the config's dtype)")
-    parser.add_argument("--gemm-impl", default="bf16", choices=("bf16", "fp8"))
-    parser.add_argument("--attn-impl", default="absorb", choices=("absorb", "naive"))
+    add_flags(parser, skip=("moe_impl", "decode_attn"))
     parser.add_argument("--num-devices", type=int, default=1)
-    parser.add_argument("--moe-impls", default="auto", help="routed-expert paths to time decode with, e.g. auto,ragged")
+    parser.add_argument("--moe-impls", default="auto", type=option_list("moe_impl"),
+                        help=f"routed-expert paths to time, a comma list of {','.join(choices('moe_impl'))}")
     parser.add_argument("--decode-batches", default="1,8,32")
     parser.add_argument("--prefill-batches", default="1,8")
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--context", type=int, default=512, help="tokens in the cache before decoding")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--unroll", action="store_true", help="unroll the layer scans")
-    parser.add_argument("--decode-attns", default="xla", help="decode attention paths to time, e.g. xla,kernel")
+    parser.add_argument("--decode-attns", default="xla", type=option_list("decode_attn"),
+                        help=f"decode attention paths to time, a comma list of {','.join(choices('decode_attn'))}")
     parser.add_argument("--tag", default="", help="suffix for the output file names")
     parser.add_argument("--out-dir", default="benchmarks")
     parser.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--process-id", type=int, default=None)
     opts = parser.parse_args()
-    from dsv3_jax.chat import start_distributed
-
+    options = from_flags(opts)
     start_distributed(opts)
     leader = jax.process_index() == 0
     say = print if leader else (lambda *a, **k: None)
@@ -197,19 +186,17 @@ def main() -> None:
     say(f"device {device.device_kind}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
 
     t0 = time.perf_counter()
-    model = dsv3_jax.build(args, seed=0, dtype="bfloat16", attn_impl=opts.attn_impl, gemm_impl=opts.gemm_impl,
-                           num_devices=opts.num_devices)
+    model = dsv3_jax.build(args, seed=0, options=options, num_devices=opts.num_devices)
     jax.block_until_ready(model.state)
     build_s = time.perf_counter() - t0
     params = sum(x.size for x in jax.tree.leaves(model.state))
     say(f"built {args.n_layers} layers ({params / 1e9:.2f} G parameters, {args.dtype} weights) in {build_s:.1f} s")
 
     rows = []
-    variants = [(m, a) for m in opts.moe_impls.split(",") for a in opts.decode_attns.split(",")]
+    variants = [(m, a) for m in opts.moe_impls for a in opts.decode_attns]
     for moe_impl, decode_attn in variants:
-        runner = dsv3_jax.Model(args, model.graphdef, model.state, model.mesh, dtype=model.dtype,
-                                attn_impl=model.attn_impl, gemm_impl=model.gemm_impl, moe_impl=moe_impl,
-                                unroll=opts.unroll, decode_attn=decode_attn)
+        runner = dsv3_jax.Model(args, model.graphdef, model.state, model.mesh,
+                                dsv3_jax.RunOptions.make(options, moe_impl=moe_impl, decode_attn=decode_attn))
         model.cache = None  # one cache at a time on the device
         for batch in prefill_batches:
             result = bench_prefill(runner, batch, opts.prefill_len, opts.repeats)
@@ -239,7 +226,7 @@ def main() -> None:
     record = {
         "gpu": device.device_kind, "devices": model.mesh.devices.size, "config": Path(opts.config).name,
         "layers": args.n_layers, "dense_layers": args.n_dense_layers, "weights": args.dtype,
-        "gemm_impl": opts.gemm_impl, "attn_impl": opts.attn_impl, "jax": jax.__version__,
+        "gemm_impl": options.gemm_impl, "attn_impl": options.attn_impl, "jax": jax.__version__,
         "python": platform.python_version(), "date": datetime.date.today().isoformat(),
         "copy_bandwidth_tb_s": bandwidth / 1e12, "build_s": build_s, "peak_device_bytes": peak, "rows": rows,
     }
@@ -250,7 +237,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"model-{gpu}-{name}{'-' + opts.tag if opts.tag else ''}"
     (out / f"{stem}.json").write_text(json.dumps(record, indent=2))
-    lines = [f"# {name}: {args.n_layers} layers, {args.dtype} weights, gemm_impl {opts.gemm_impl}",
+    lines = [f"# {name}: {args.n_layers} layers, {args.dtype} weights, gemm_impl {options.gemm_impl}",
              "", f"{device.device_kind} x{model.mesh.devices.size} ({jax.process_count()} process(es)), jax {jax.__version__}, {record['date']}; "
              f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; peak device memory {peak / 2**30:.1f} GiB", "",
              "| run | tok/s | ms/step | bytes/step | GB/s | % roofline | compile s |", "|---|---|---|---|---|---|---|"]

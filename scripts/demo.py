@@ -11,7 +11,7 @@ def main() -> None:
         n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, n_expert_groups=4, n_limited_groups=2,
         score_func="sigmoid", route_scale=2.5, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
         qk_rope_head_dim=16, v_head_dim=32, max_batch_size=2, max_seq_len=256)
-    model = dsv3_jax.build(args, seed=0, dtype="float32")
+    model = dsv3_jax.build(args, seed=0, compute_dtype="float32")
     prompt = np.array([[1, 17, 42, 99, 7]])
     logits = model.forward(prompt, start_pos=0)
     position = prompt.shape[1]

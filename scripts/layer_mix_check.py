@@ -27,7 +27,7 @@ def one(opts) -> None:
     if opts.experts:
         changes.update(n_routed_experts=opts.experts, n_expert_groups=1, n_limited_groups=1)
     args = args.replace(**changes)
-    model = dsv3_jax.build(args, seed=0, dtype="bfloat16", gemm_impl=opts.gemm_impl, moe_impl=opts.moe_impl)
+    model = dsv3_jax.build(args, seed=0, gemm_impl=opts.gemm_impl, moe_impl=opts.moe_impl)
     rng = np.random.default_rng(0)
     batch, length = 2, 48
     tokens = rng.integers(0, args.vocab_size, (batch, length)).astype(np.int32)

@@ -26,7 +26,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from dsv3_jax.checkpoint import expected_tensors, hf_name
+from dsv3_jax.schema import expected_tensors, hf_name
 from dsv3_jax.config import ModelArgs
 
 OUT = Path(__file__).resolve().parents[1] / "dsv3_jax" / "assets" / "tiny"
@@ -198,7 +198,7 @@ def model_tensors(args: ModelArgs, embed: np.ndarray, head: np.ndarray, seed: in
 
     from dsv3_jax.model import Transformer
 
-    abstract = nnx.eval_shape(lambda: Transformer(args, dtype=jnp.float32))
+    abstract = nnx.eval_shape(lambda: Transformer(args, param_dtype=jnp.float32))
     _, state = nnx.split(abstract)
     rng = np.random.default_rng(seed)
     # from the stored (bf16) embedding, summed exactly, so hosts whose embeddings round alike agree

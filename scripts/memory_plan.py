@@ -10,48 +10,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import jax
-import numpy as np
-from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dsv3_jax.cache import cache_shapes  # noqa: E402
-from dsv3_jax.config import ModelArgs  # noqa: E402
-from dsv3_jax.model import Transformer  # noqa: E402
+from dsv3_jax.cache import cache_shapes
+from dsv3_jax.config import ModelArgs
+from dsv3_jax.schema import abstract_state
+from dsv3_jax.sharding import parameter_bytes_per_device
 
 GIB = 2**30
-
-
-def parameter_bytes_per_device(args: ModelArgs, devices: int, dtype) -> dict[str, float]:
-    """Bytes of every parameter group on one device: split axes divided by the device count."""
-    abstract = nnx.eval_shape(lambda: Transformer(args, dtype=dtype))
-    _, state = nnx.split(abstract)
-    groups: dict[str, float] = {}
-    for path, variable in nnx.to_flat_state(state):
-        value = variable.get_value()
-        partition = variable.get_metadata()["partition"]
-        shape = [d // devices if axis else d for d, axis in zip(value.shape, partition)]
-        nbytes = math.prod(shape) * np.dtype(value.dtype).itemsize
-        names = [str(p) for p in path]
-        if names[-1] == "scale":
-            key = "fp8 block scales"
-        elif "experts" in names and "shared_experts" not in names:
-            key = "routed experts"
-        elif names[0] in ("embed", "head"):
-            key = "embedding + head"
-        elif "attn" in names:
-            key = "attention"
-        elif "shared_experts" in names:
-            key = "shared experts"
-        elif names[0] == "dense_layers" and "ffn" in names:
-            key = "dense MLP"
-        else:
-            key = "norms + gate"
-        groups[key] = groups.get(key, 0.0) + nbytes
-    return groups
 
 
 def activation_bytes(args: ModelArgs, devices: int, batch: int, chunk: int, kv_len: int, act_bytes: int) -> dict:
@@ -80,12 +48,11 @@ def main() -> None:
 
     args = ModelArgs.from_reference_json(opts.config).replace(max_batch_size=opts.batch, max_seq_len=opts.seq_len)
     args = args.replace(gate_bias=args.score_func == "sigmoid")
-    dtype = jax.numpy.bfloat16
-    weights = parameter_bytes_per_device(args, opts.devices, dtype)
+    weights = parameter_bytes_per_device(abstract_state(args, jax.numpy.bfloat16), opts.devices)
     cache = {name: math.prod(shape) * 2 for name, shape in cache_shapes(args, "absorb", opts.batch, opts.seq_len).items()}
     acts = activation_bytes(args, opts.devices, opts.batch, opts.prefill_chunk, opts.seq_len, 2)
     total = sum(weights.values()) + sum(cache.values()) + sum(acts.values())
-    lines = [f"# Memory plan: {Path(opts.config).name}, {args.dtype} weights, {opts.devices} devices, "
+    lines = [f"# Memory plan: {Path(opts.config).name}, {args.dtype} weights (fp8 block scales with their weights), {opts.devices} devices, "
              f"batch {opts.batch} x {opts.seq_len}", "",
              f"Per device (TP over heads/hidden/vocab, EP over {args.n_routed_experts} experts: "
              f"{args.n_routed_experts // opts.devices} each); absorbed-MLA cache replicated as in the reference.", "",

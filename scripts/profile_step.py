@@ -50,7 +50,7 @@ def main() -> None:
 
     args = ModelArgs.from_reference_json(o.config).replace(max_batch_size=max(o.batch, 1),
                                                            max_seq_len=o.context + 64 + o.steps)
-    model = dsv3_jax.build(args, seed=0, dtype="bfloat16", **json.loads(o.build_kwargs))
+    model = dsv3_jax.build(args, seed=0, **json.loads(o.build_kwargs))
     prompt = np.random.default_rng(0).integers(0, args.vocab_size, (o.batch, o.context)).astype(np.int32)
     zeros = np.zeros((o.batch,), np.int32)
     window = dsv3_jax.cache_window(o.context + 16 + o.steps, args.max_seq_len)

@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
+# Subprocesses (the CLI, the converters, scripts, examples) import this checkout's packages, whatever
+# an installed (e.g. editable) copy elsewhere points at.
 ROOT = Path(__file__).resolve().parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
 FIXTURES = ROOT / "tests" / "fixtures"  # the real DeepSeek-V3 tokenizer (MIT, LICENSE beside it), HF configs
 CONFIGS = ROOT / "configs"  # the reference implementation's JSON configs
 

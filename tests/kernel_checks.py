@@ -5,21 +5,16 @@ division is not correctly rounded, the CPU's is), and independent float64 / IEEE
 """
 from __future__ import annotations
 
-import sys
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-import pallas_kernels  # noqa: F401  (registers the submodules below)
 from pallas_kernels import act_quant, fp8_gemm, weight_dequant
+from pallas_kernels import dequantize as WD, gemm as GM, quantize as AQ
 from pallas_kernels.reference import act_quant_ref, fp8_gemm_ref, weight_dequant_ref
 
-# The package re-exports functions under its submodules' names, so reach the modules this way.
-AQ = sys.modules["pallas_kernels.act_quant"]
-WD = sys.modules["pallas_kernels.weight_dequant"]
-GM = sys.modules["pallas_kernels.fp8_gemm"]
 FP8 = jnp.float8_e4m3fn
 E4M3 = ml_dtypes.float8_e4m3fn
 

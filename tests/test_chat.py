@@ -93,15 +93,23 @@ def test_bad_invocations_fail_in_one_line(tmp_path):
     assert result.returncode == 1 and "holds no prompts" in result.stderr
 
 
-def test_installed_entry_point():
-    script = Path(sys.executable).parent / "dsv3-chat"
+@pytest.mark.parametrize("name, flags", [
+    ("dsv3-chat", ("--ckpt-path", "--config", "--input-file", "--interactive", "--max-new-tokens", "--temperature",
+                   "--num-devices", "--compute-dtype", "--gemm-impl", "--attn-impl", "--moe-impl", "--decode-attn",
+                   "--unroll", "--max-seq-len", "--coordinator-address")),
+    ("dsv3-convert", ("--hf-ckpt-path", "--save-path", "--n-experts", "--model-parallel")),
+    ("dsv3-to-orbax", ("--hf-ckpt-path", "--save-path")),
+    ("dsv3-fp8-cast-bf16", ("--input-fp8-hf-path", "--output-bf16-hf-path")),
+])
+def test_installed_entry_points(name, flags):
+    """The console scripts (conftest puts this checkout's package first on their path)."""
+    script = Path(sys.executable).parent / name
     if not script.exists():
-        pytest.skip("dsv3-chat is not installed in this environment")
+        pytest.skip(f"{name} is not installed in this environment")
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0
-    for flag in ("--ckpt-path", "--config", "--input-file", "--interactive", "--max-new-tokens", "--temperature",
-                 "--num-devices", "--dtype", "--gemm-impl", "--attn-impl", "--max-seq-len", "--coordinator-address"):
-        assert flag in result.stdout
+    assert result.returncode == 0, result.stderr
+    for flag in flags:
+        assert flag in result.stdout, flag
 
 
 # Host kernels that compute the regeneration's SVD differently (OpenBLAS picks one per CPU; these

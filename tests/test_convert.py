@@ -128,19 +128,20 @@ def reference_json(source: Path, destination: Path) -> Path:
 
 
 def tool(name: str, *argv, module: bool = False) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", f"convert.{name}"] if module else [sys.executable, f"convert/{name}.py"]
+    """Run a tool as `python convert/<name>.py` (the reference's way) or `python -m dsv3_jax.convert.<name>`."""
+    command = [sys.executable, "-m", f"dsv3_jax.convert.{name}"] if module else [sys.executable, f"convert/{name}.py"]
     return subprocess.run(command + [str(a) for a in argv], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def run_main(name: str, *argv) -> None:
     import importlib
 
-    module = importlib.import_module(f"convert.{name}")
+    module = importlib.import_module(f"dsv3_jax.convert.{name}")
     module.main([str(a) for a in argv])
 
 
 def logits(path, n: int, **kwargs) -> np.ndarray:
-    model = dsv3_jax.load(path, dtype="float32", num_devices=n, max_seq_len=64, **kwargs)
+    model = dsv3_jax.load(path, compute_dtype="float32", num_devices=n, max_seq_len=64, **kwargs)
     return np.asarray(model.forward(TOKENS))
 
 
@@ -297,7 +298,7 @@ def test_orbax_layout_and_mtp(bf16_source, orbax_bf16):
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_orbax_restores_like_hf(orbax_bf16, hf_logits, n):
-    model = dsv3_jax.load(orbax_bf16, dtype="float32", num_devices=n, max_seq_len=64)
+    model = dsv3_jax.load(orbax_bf16, compute_dtype="float32", num_devices=n, max_seq_len=64)
     experts = model.state["moe_layers"]["ffn"]["experts"]["w1"]["weight"].get_value()
     assert {s.data.shape for s in experts.addressable_shards} == {(3, 8 // n, 32, 64)}
     np.testing.assert_array_equal(np.asarray(model.forward(TOKENS)), hf_logits[n])
@@ -434,7 +435,7 @@ def replace_tensor(name: str, shape: tuple[int, ...]):
 FAILURES = {
     "truncated": (truncate, "truncated safetensors file"),
     "missing": (drop_tensor("model.layers.2.mlp.experts.3.up_proj.weight"), "missing tensor"),
-    "unknown": (add_tensor("model.layers.1.self_attn.q_extra.weight", (4, 4)), "unknown tensor"),
+    "unknown": (add_tensor("model.layers.1.self_attn.q_extra.weight", (4, 4)), "unexpected tensor"),
     "shape": (replace_tensor("model.layers.1.self_attn.kv_b_proj.weight", (64, 16)), "the config implies"),
     "no config": (lambda d: (d / "config.json").unlink(), "no config.json"),
 }
@@ -449,13 +450,13 @@ TOOLS = {
 @pytest.mark.parametrize("failure", FAILURES)
 def test_bad_input_fails_cleanly(bf16_source, tmp_path, failure, capsys):
     """Each tool rejects the bad checkpoint with one line, exit 1, and leaves no output (nor staging) behind."""
-    from convert._common import run_tool
+    from dsv3_jax.convert.common import run_tool
 
     edit, message = FAILURES[failure]
     source = corrupt(bf16_source, tmp_path / "src", edit)
     for name, argv in TOOLS.items():
         out = tmp_path / f"out_{name}"
-        module = __import__(f"convert.{name}", fromlist=["main"])
+        module = __import__(f"dsv3_jax.convert.{name}", fromlist=["main"])
         code = run_tool(module.main, [str(a) for a in argv(source, out)[1:]])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 1 and err and err[-1].startswith("error: ") and message in err[-1], (name, err)
@@ -465,9 +466,9 @@ def test_bad_input_fails_cleanly(bf16_source, tmp_path, failure, capsys):
 @pytest.mark.parametrize("name", TOOLS)
 def test_failure_while_writing_leaves_nothing(fp8_source, tmp_path, monkeypatch, capsys, name):
     """A read error half-way through the output (after files were started) removes the staging directory."""
-    from convert._common import run_tool
+    from dsv3_jax.convert.common import run_tool
 
-    module = __import__(f"convert.{name}", fromlist=["main"])
+    module = __import__(f"dsv3_jax.convert.{name}", fromlist=["main"])
     reads = []
     original = module.read_tensor
 
@@ -493,10 +494,11 @@ def test_failure_exit_code_from_the_command_line(bf16_source, tmp_path):
 
 
 @pytest.mark.parametrize("mp, n_experts, message", [
-    (3, 8, "does not divide n_heads=4"), (8, 8, "does not divide n_heads"), (2, 6, "contradicts the config"),
+    (3, 8, "n_heads=4 is not divisible by the 3 ranks"), (8, 8, "n_heads=4 is not divisible"),
+    (2, 6, "contradicts the config"),
 ])
 def test_model_parallel_must_divide(bf16_source, tmp_path, mp, n_experts, message):
-    from convert.convert import convert
+    from dsv3_jax.convert.convert import convert
 
     with pytest.raises(ValueError, match=message):
         convert(bf16_source, tmp_path / "out", n_experts, mp)
@@ -504,18 +506,18 @@ def test_model_parallel_must_divide(bf16_source, tmp_path, mp, n_experts, messag
 
 
 def test_model_parallel_must_divide_experts_and_vocab(tmp_path):
-    from convert.convert import check_model_parallel
+    from dsv3_jax.convert.convert import check_model_parallel
 
     args = dsv3_jax.ModelArgs(n_heads=8, n_routed_experts=6, vocab_size=512, n_layers=2, n_dense_layers=1)
-    with pytest.raises(ValueError, match="does not divide n_routed_experts=6"):
+    with pytest.raises(ValueError, match="n_routed_experts=6 is not divisible"):
         check_model_parallel(args, 6, 4)
-    with pytest.raises(ValueError, match="does not divide vocab_size=500"):
+    with pytest.raises(ValueError, match="vocab_size=500 is not divisible"):
         check_model_parallel(args.replace(vocab_size=500, n_routed_experts=8), 8, 8)
 
 
 def test_fp8_split_must_be_block_aligned(tmp_path):
     """V3_TINY's fp8 wq_b has 96 rows: two ranks would each get 48, not whole 128-blocks."""
-    from convert.convert import convert
+    from dsv3_jax.convert.convert import convert
 
     source = make_source(tmp_path / "fp8_small", "v3", fp8=True, files=2)
     with pytest.raises(ValueError, match="whole 128-blocks"):
@@ -526,7 +528,7 @@ def test_fp8_split_must_be_block_aligned(tmp_path):
 
 
 def test_existing_output_is_not_overwritten(bf16_source, tmp_path):
-    from convert.convert import convert
+    from dsv3_jax.convert.convert import convert
 
     out = tmp_path / "out"
     out.mkdir()

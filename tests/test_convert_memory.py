@@ -27,7 +27,7 @@ BIG_FP8 = dict(BIG, vocab_size=4096, hidden_size=512, moe_intermediate_size=256,
 MEASURE = """
 import json, sys, tracemalloc, importlib
 tool, warm_up, rss_run, traced_run = sys.argv[1], *map(json.loads, sys.argv[2:])
-module = importlib.import_module("convert." + tool)
+module = importlib.import_module("dsv3_jax.convert." + tool)
 module.main(warm_up)  # pays the one-off costs (imports, thread pools, allocator arenas, compiles)
 def status(key):
     line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))

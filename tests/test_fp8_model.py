@@ -39,7 +39,7 @@ def test_fp8_checkpoint_layout(fp8_checkpoint):
     index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(index.values())) == 3
     assert "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv" in index
-    model = dsv3_jax.load(directory, dtype="float32", max_batch_size=1, max_seq_len=16)
+    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=1, max_seq_len=16)
     assert model.args.quantized
     experts = model.state["moe_layers"]["ffn"]["experts"]["w2"]
     assert experts["weight"][...].dtype == np.dtype("float8_e4m3fn") and experts["scale"][...].shape == (2, 4, 1, 1)
@@ -51,7 +51,7 @@ def test_fp8_bf16_gemm_matches_hf_on_dequantised_weights(fp8_checkpoint):
     tokens = np.random.default_rng(0).integers(0, 512, size=(2, 12))
     expected = hf_step_logits(hf, tokens, 7, 5)
     for attn_impl in ("absorb", "naive"):
-        model = dsv3_jax.load(directory, dtype="float32", gemm_impl="bf16", attn_impl=attn_impl,
+        model = dsv3_jax.load(directory, compute_dtype="float32", gemm_impl="bf16", attn_impl=attn_impl,
                               max_batch_size=2, max_seq_len=32)
         got = _steps(model, tokens, 7, 5)
         diff = max(float(np.abs(a - b).max()) for a, b in zip(got, expected))
@@ -71,7 +71,7 @@ def test_fp8_gemm_within_two_percent(fp8_checkpoint, tmp_path, scale_fmt):
         (directory / "config.json").write_text(json.dumps(config))
     tokens = np.random.default_rng(1).integers(0, 512, size=(2, 10))
     expected = hf_step_logits(hf, tokens, 7, 3)
-    model = dsv3_jax.load(directory, dtype="float32", gemm_impl="fp8", max_batch_size=2, max_seq_len=32)
+    model = dsv3_jax.load(directory, compute_dtype="float32", gemm_impl="fp8", max_batch_size=2, max_seq_len=32)
     assert model.args.scale_fmt == scale_fmt
     got = _steps(model, tokens, 7, 3)
     rel = max(float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(got, expected))
@@ -95,7 +95,7 @@ def test_fp8_weight_without_scale_is_named(fp8_checkpoint, tmp_path):
     save_file(kept, path)
     index_path.write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="fp8 weight 'model.layers.0.self_attn.o_proj.weight' has no scale"):
-        dsv3_jax.load(directory, dtype="float32")
+        dsv3_jax.load(directory, compute_dtype="float32")
 
 
 def test_fp8_paths_are_exact():
@@ -120,7 +120,7 @@ def test_fp8_paths_are_exact():
         x_deq = np.asarray(xq, np.float64).reshape(5, 2, 128) * np.asarray(xs, np.float64)[..., None]
         w_deq = np.asarray(weight, np.float64) * np.repeat(np.repeat(scale, 128, 1), 128, 2)[:, :192]
         # Linear (expert 0's matrix), on a 1-device mesh
-        linear = Linear(256, 192, fp8=True, dtype=jnp.float32, rngs=None)
+        linear = Linear(256, 192, fp8=True, param_dtype=jnp.float32, rngs=None)
         linear.weight.set_value(jnp.asarray(weight[0]))
         linear.scale.set_value(jnp.asarray(scale[0]))
         graphdef, state = nnx.split(linear)
@@ -156,6 +156,6 @@ def test_every_routed_expert_path_matches_hf(many_experts, weights, moe_impl):
     hf, directory = many_experts[weights]
     tokens = np.random.default_rng(3).integers(0, 512, size=(2, 10))
     expected = hf_step_logits(hf, tokens, 7, 3)
-    model = dsv3_jax.load(directory, dtype="float32", moe_impl=moe_impl, max_batch_size=2, max_seq_len=32)
+    model = dsv3_jax.load(directory, compute_dtype="float32", moe_impl=moe_impl, max_batch_size=2, max_seq_len=32)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(_steps(model, tokens, 7, 3), expected))
     assert diff <= 1e-4

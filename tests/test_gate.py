@@ -43,7 +43,7 @@ def test_gate_matches_float64_reference(score_func, with_bias, groups, norm):
                      n_limited_groups=2 if groups > 1 else 1, score_func=score_func, route_scale=1.7,
                      gate_bias=with_bias, norm_topk_prob=norm, moe_inter_dim=8)
     rng = np.random.default_rng(zlib.crc32(repr((score_func, with_bias, groups, norm)).encode()))
-    gate = Gate(args, dtype=jnp.float32, rngs=None)
+    gate = Gate(args, param_dtype=jnp.float32, rngs=None)
     # logits of order 1: sigmoid saturates to exactly 1.0 in float32 past |logit| ~ 17, and such
     # ties would make the top-k order arbitrary (float64 still tells them apart)
     weight = (rng.standard_normal((experts, dim)) / np.sqrt(dim)).astype(np.float32)

@@ -80,7 +80,7 @@ def test_top_k_and_top_p_renormalise_the_kept_tokens():
 def hf_pair(tmp_path_factory):
     hf = hf_model("v3", seed=3)
     directory = save(hf, tmp_path_factory.mktemp("hf_v3"))
-    return hf, dsv3_jax.load(directory, dtype="float32", max_batch_size=4, max_seq_len=128)
+    return hf, dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=4, max_seq_len=128)
 
 
 def hf_greedy(hf, prompt: list[int], new_tokens: int, eos_id: int | None) -> list[int]:
@@ -111,7 +111,7 @@ def test_greedy_generate_equals_hf_greedy(hf_pair):
 # ------------------------------------------------------------------------------ contract and steps
 @pytest.fixture(scope="module")
 def tiny():
-    return dsv3_jax.load(TINY, dtype="float32", max_batch_size=3, max_seq_len=64)
+    return dsv3_jax.load(TINY, compute_dtype="float32", max_batch_size=3, max_seq_len=64)
 
 
 def greedy_by_forward(model, prompt: list[int], new_tokens: int) -> list[int]:

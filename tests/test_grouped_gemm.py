@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped_gemm import grouped_gemm, tile_schedule
+from pallas_kernels.grouped import grouped_gemm, tile_schedule
 
 CASES = [  # (rows per group, N, K, block_m, block_n)
     ([1, 0, 2, 0, 0, 3, 0, 0], 96, 256, 16, 64),  # decode: a few rows, most experts idle, N not a multiple of 64

@@ -44,7 +44,8 @@ def prefill_and_decode(model, batch: int = 2, length: int = 40, steps: int = 2) 
 
 def compare_moe_impls(args: ModelArgs, gemm_impl: str) -> None:
     kernel = dsv3_jax.build(args, seed=0, gemm_impl=gemm_impl, moe_impl="kernel")
-    ragged = dsv3_jax.Model(args, kernel.graphdef, kernel.state, kernel.mesh, gemm_impl=gemm_impl, moe_impl="ragged")
+    ragged = dsv3_jax.Model(args, kernel.graphdef, kernel.state, kernel.mesh,
+                            dsv3_jax.RunOptions.make(kernel.options, moe_impl="ragged"))
     got = prefill_and_decode(kernel)
     kernel.cache = None
     want = prefill_and_decode(ragged)

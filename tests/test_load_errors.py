@@ -34,7 +34,7 @@ def _rewrite(directory, edit):
 
 
 def _logits(directory, **kwargs):
-    model = dsv3_jax.load(directory, dtype="float32", max_batch_size=1, max_seq_len=16, **kwargs)
+    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=1, max_seq_len=16, **kwargs)
     return np.asarray(model.forward(np.arange(5)[None], 0))
 
 
@@ -108,14 +108,16 @@ def test_indivisible_mesh_and_bad_options(tiny):
         dsv3_jax.load(directory, num_devices=3)
     with pytest.raises(ValueError, match="num_devices=9 but 4 devices"):
         dsv3_jax.load(directory, num_devices=9)
-    for option, value in (("dtype", "float8"), ("attn_impl", "flash"), ("gemm_impl", "int8"), ("moe_impl", "loop"),
-                          ("decode_attn", "flash")):
+    for option, value in (("dtype", "float8"), ("compute_dtype", "fp8"), ("unroll", "yes"), ("attn_impl", "flash"),
+                          ("gemm_impl", "int8"), ("moe_impl", "loop"), ("decode_attn", "flash")):
         with pytest.raises(ValueError, match=option):
             dsv3_jax.load(directory, **{option: value})
+    with pytest.raises(TypeError, match="unknown run option 'max_seq'"):
+        dsv3_jax.load(directory, max_seq=16)
 
 
 def test_forward_input_errors(tiny):
-    model = dsv3_jax.load(tiny[1], dtype="float32", max_batch_size=2, max_seq_len=16)
+    model = dsv3_jax.load(tiny[1], compute_dtype="float32", max_batch_size=2, max_seq_len=16)
     cases = [
         (np.zeros((3, 2), int), 0, "batch 3 exceeds max_batch_size=2"),
         (np.zeros((1, 10), int), 8, "positions up to 18 exceed max_seq_len=16"),
@@ -135,7 +137,7 @@ def test_explicit_mesh(tiny):
     import jax
 
     mesh = make_mesh(devices=jax.devices()[2:4])
-    model = dsv3_jax.load(tiny[1], dtype="float32", mesh=mesh, max_batch_size=1, max_seq_len=16)
+    model = dsv3_jax.load(tiny[1], compute_dtype="float32", mesh=mesh, max_batch_size=1, max_seq_len=16)
     assert model.mesh is mesh and {d.id for d in model.state["head"]["weight"][...].sharding.device_set} == {
         d.id for d in jax.devices()[2:4]}
     np.testing.assert_allclose(np.asarray(model.forward(np.arange(5)[None], 0)), _logits(tiny[1]), atol=2e-5)

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.mla_decode import mla_decode
+from pallas_kernels.mla import mla_decode
 
 
 def float64_attention(q, qpe, kv, pe, layer, lengths, new_kv, new_pe, scale):

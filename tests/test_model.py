@@ -57,7 +57,7 @@ def test_prefill_and_decode_match_hf(checkpoints, name):
     hf, directory = checkpoints[name]
     tokens = tokens_for(1)
     expected = hf_step_logits(hf, tokens, PREFILL, STEPS)
-    model = dsv3_jax.load(directory, dtype="float32", max_batch_size=4, max_seq_len=64)
+    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=4, max_seq_len=64)
     got = run_steps(model, tokens, PREFILL, STEPS)
     diff = max_diff(got, expected)
     print(f"{name}: max |logit diff| vs HF = {diff:.2e} (logit scale {np.abs(expected[0]).max():.2f})")
@@ -71,7 +71,7 @@ def test_naive_absorb_kernel_and_four_devices_agree_with_hf(checkpoints, name):
     expected = hf_step_logits(hf, tokens, PREFILL, STEPS)
     for attn_impl, devices, decode_attn in (("naive", 1, "xla"), ("absorb", 4, "xla"), ("naive", 4, "xla"),
                                             ("absorb", 1, "kernel"), ("absorb", 4, "kernel")):
-        model = dsv3_jax.load(directory, dtype="float32", attn_impl=attn_impl, num_devices=devices,
+        model = dsv3_jax.load(directory, compute_dtype="float32", attn_impl=attn_impl, num_devices=devices,
                               max_batch_size=2, max_seq_len=32, decode_attn=decode_attn)
         assert model.mesh.devices.size == devices
         diff = max_diff(run_steps(model, tokens, PREFILL, STEPS), expected)
@@ -81,7 +81,7 @@ def test_naive_absorb_kernel_and_four_devices_agree_with_hf(checkpoints, name):
 
 def test_four_devices_really_split(checkpoints):
     _, directory = checkpoints["v3"]
-    model = dsv3_jax.load(directory, dtype="float32", attn_impl="naive", num_devices=4, max_batch_size=2,
+    model = dsv3_jax.load(directory, compute_dtype="float32", attn_impl="naive", num_devices=4, max_batch_size=2,
                           max_seq_len=32)
     args, state = model.args, model.state
     shard = lambda array: array.sharding.shard_shape(array.shape)  # noqa: E731
@@ -101,7 +101,7 @@ def test_four_devices_really_split(checkpoints):
 def test_cached_decoding_equals_full_forward(checkpoints, attn_impl):
     _, directory = checkpoints["v3"]
     tokens = tokens_for(3, batch=3, length=14)
-    model = dsv3_jax.load(directory, dtype="float32", attn_impl=attn_impl, max_batch_size=3, max_seq_len=32)
+    model = dsv3_jax.load(directory, compute_dtype="float32", attn_impl=attn_impl, max_batch_size=3, max_seq_len=32)
     decoded = run_steps(model, tokens, 4, 10)
     checked = (1, 5, 10)  # a full forward compiles per length: a sample of the steps keeps the test quick
     full = [np.asarray(model.forward(tokens[:, : 4 + i], 0)) for i in checked]
@@ -111,7 +111,7 @@ def test_cached_decoding_equals_full_forward(checkpoints, attn_impl):
 def test_chunked_prefill_from_nonzero_start(checkpoints):
     _, directory = checkpoints["v2_groups_yarn"]
     tokens = tokens_for(4, batch=2, length=20)
-    model = dsv3_jax.load(directory, dtype="float32", max_batch_size=2, max_seq_len=64)
+    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=64)
     one_shot = np.asarray(model.forward(tokens, 0))
     model.forward(tokens[:, :6], 0)
     model.forward(tokens[:, 6:13], 6)
@@ -123,7 +123,7 @@ def test_per_row_start_positions(checkpoints):
     """Rows at different positions in one call equal each row run on its own."""
     _, directory = checkpoints["v3"]
     tokens = tokens_for(5, batch=2, length=16)
-    model = dsv3_jax.load(directory, dtype="float32", max_batch_size=2, max_seq_len=32)
+    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=32)
     alone = []
     for row, split in ((0, 9), (1, 4)):
         model.forward(tokens[row: row + 1, :split], 0)
@@ -136,8 +136,8 @@ def test_per_row_start_positions(checkpoints):
 def test_bfloat16_close_to_float32(checkpoints):
     _, directory = checkpoints["v3"]
     tokens = tokens_for(6)
-    f32 = dsv3_jax.load(directory, dtype="float32", max_batch_size=2, max_seq_len=32)
-    bf16 = dsv3_jax.load(directory, dtype="bfloat16", max_batch_size=2, max_seq_len=32)
+    f32 = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=32)
+    bf16 = dsv3_jax.load(directory, compute_dtype="bfloat16", max_batch_size=2, max_seq_len=32)
     a, b = np.asarray(f32.forward(tokens, 0)), np.asarray(bf16.forward(tokens, 0))
     assert b.dtype == np.float32
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.05
@@ -150,7 +150,7 @@ def _program_size(**changes) -> int:
                 n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, n_expert_groups=2, n_limited_groups=1,
                 score_func="sigmoid", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                 v_head_dim=16, max_batch_size=2, max_seq_len=64)
-    model = dsv3_jax.build(dsv3_jax.ModelArgs(**{**base, **changes}), dtype="float32")
+    model = dsv3_jax.build(dsv3_jax.ModelArgs(**{**base, **changes}), compute_dtype="float32")
     zeros = np.zeros((2,), np.int32)
     lowered = model.step.lower(model.state, model.cache, np.zeros((2, 1), np.int32), zeros, zeros, kv_len=64)
     return len(lowered.as_text())
@@ -190,8 +190,25 @@ def test_decode_step_has_no_loops_but_the_layer_scans(moe_impl):
                               kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
                               max_batch_size=2, max_seq_len=64)
     for decode_attn in ("xla", "kernel"):
-        model = dsv3_jax.build(args, dtype="float32", moe_impl=moe_impl, decode_attn=decode_attn)
+        model = dsv3_jax.build(args, compute_dtype="float32", moe_impl=moe_impl, decode_attn=decode_attn)
         zeros = np.zeros((2,), np.int32)
         jaxpr = jax.make_jaxpr(lambda *a: model.step(*a, kv_len=64))(
             model.state, model.cache, np.zeros((2, 1), np.int32), zeros, zeros)
         assert _loops(jaxpr.jaxpr) == 2
+
+
+def test_step_is_profiled_by_paper_noun():
+    """Every paper noun of a step has its named scope, so a profile of a decode step reads by them."""
+    import jax
+
+    args = dsv3_jax.ModelArgs(vocab_size=256, dim=128, inter_dim=256, moe_inter_dim=128, n_layers=2, n_dense_layers=1,
+                              n_heads=4, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
+                              kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
+                              max_batch_size=1, max_seq_len=64)
+    model = dsv3_jax.build(args, compute_dtype="float32")
+    zeros = np.zeros((1,), np.int32)
+    text = model.step.lower(model.state, model.cache, np.zeros((1, 1), np.int32), zeros, zeros,
+                            kv_len=64).as_text(debug_info=True)
+    for scope in ("embed", "attn_norm", "attention", "ffn_norm", "mlp", "gate", "routed_experts", "shared_experts",
+                  "cache_write", "norm", "head"):
+        assert f"/{scope}/" in text, scope

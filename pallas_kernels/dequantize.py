@@ -51,7 +51,7 @@ def weight_dequant(w: jax.Array, s: jax.Array, block_size: int = BLOCK, out_dtyp
 
 def default_tile(m: int, n: int) -> tuple[int, int, int]:
     """(rows, cols, num_warps) per program: a 16x1024 tile (16 KiB of fp8 in, 32 KiB out), the
-    fastest of those tried on an H200 (18432x7168: 114 us, 3.46 TB/s; 64x512: 122 us)."""
+    fastest of those tried (benchmarks/NOTES.md, "Tilings")."""
     return pow2_at_most(m, 16), max(BLOCK, pow2_at_most(n, 1024)), 4
 
 

@@ -53,8 +53,8 @@ def act_quant(x: jax.Array, block_size: int = BLOCK, scale_fmt: str | None = Non
 def default_tile(m: int, g: int, itemsize: int) -> tuple[int, int, int]:
     """(rows, groups, num_warps) per program: 4096 elements (32 per thread), power-of-two sides.
 
-    Small tiles won on an H200 (4096x7168 bf16: 4x8 groups 30.9 us, 16x8 49 us): the per-element
-    IEEE division makes the kernel partly ALU-bound, and more, lighter programs hide it better.
+    Small tiles won (benchmarks/NOTES.md, "Tilings"): the per-element IEEE division makes the
+    kernel partly ALU-bound, and more, lighter programs hide it better.
     """
     del itemsize
     bg = pow2_at_most(g, 8)

@@ -11,10 +11,7 @@ Two regimes, one kernel:
   * small M (decode, M <= 64): reading B dominates; narrow N tiles plus split-K so that every SM
     streams a slice of the weight, then a small XLA sum over the splits.
 
-Measured on an H200 (benchmarks/kernels-h200.md): M=1 runs at 70-90% of the HBM floor on the
-large V3 weights, 1.3-1.9x faster than XLA's bf16 matmul; M=64 beats XLA bf16 by a few percent;
-large M reaches only ~300 TFLOP/s, because Pallas' Triton lowering gives fp8 dots no
-max_num_imprecise_acc, so Triton will not use Hopper's wgmma for them (benchmarks/NOTES.md).
+How fast each regime runs, and why large M stops short of the tensor cores' peak: benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
@@ -72,7 +69,7 @@ def default_config(m: int, n: int, k: int, sms: int | None = None) -> GemmConfig
         cfg = GemmConfig(bm=64 if m > 32 else 32, bn=64, num_warps=4, num_stages=4)
     elif m <= 512:
         cfg = GemmConfig(bm=64, bn=128, num_warps=4, num_stages=4)
-    else:  # on an H200 every large-M tiling tried (fp8 or f16 operands) ran at 265-330 TFLOP/s
+    else:  # every large-M tiling tried ran alike (benchmarks/NOTES.md, "Tilings")
         return GemmConfig(bm=128, bn=128, num_warps=8, num_stages=3)
     return dataclasses.replace(cfg, split=auto_split(m, n, k, cfg.bm, cfg.bn, sms))
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import cdiv, fail, interpret_in_shard_map, match_vma, result, use_interpret, vma_union
+from ._common import cdiv, fail, interpret_in_shard_map, match_vma, num_sms, result, use_interpret, vma_union
 
 _FN = "mla_decode"
 _NEG = -1e30  # finite "minus infinity": an empty split must not produce inf - inf
@@ -59,7 +59,7 @@ def mla_decode(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_p
     interpret = use_interpret()
     if interpret_in_shard_map(interpret, q_latent, kv_cache):
         return mla_decode_ref(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_pe, scale=scale)
-    splits = splits or max(1, min(cdiv(kv_len, block_t), cdiv(132, batch * cdiv(heads, block_h))))
+    splits = splits or max(1, min(cdiv(kv_len, block_t), cdiv(num_sms(), batch * cdiv(heads, block_h))))
     chunk = cdiv(cdiv(kv_len, splits), block_t) * block_t
     lengths = jnp.minimum(lengths.astype(jnp.int32), kv_len)
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32)[None], lengths])

@@ -1,0 +1,114 @@
+"""What the three checkpoint tools share: the command-line wrapper, the staging directory that is
+renamed into place only when everything is written, reading tensors out of memory-mapped files,
+and the check of a Hugging Face checkpoint against the model its config describes
+(`dsv3_jax.schema`, the same check the loader makes).
+
+Memory: tensors are read from memory-mapped files one at a time and copied out only as far as
+the output needs; `read_tensor` drops the file mapping after each copy so that pages touched in
+the input do not accumulate in the process. Outputs are written tensor by tensor
+(`SafetensorsWriter`, orbax's per-block writes), so peak host memory is about the largest tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from ..config import ModelArgs
+from ..safetensors_io import SafetensorsFile, TensorIndex
+from ..schema import HF_CONFIG, CheckedTensors, check_tensors
+
+TOKENIZER_GLOB = "*token*"  # tokenizer.json, tokenizer_config.json, tokenizer.model, ... (as the reference)
+
+
+class ToolError(ValueError):
+    """Bad input to a tool, reported as one line."""
+
+
+# ------------------------------------------------------------------ command line
+def run_tool(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> int:
+    """Run a tool's `main`; bad input (config, checkpoint, arguments, files) exits 1 with one line."""
+    try:
+        main(argv)
+    except (ValueError, OSError) as err:  # CheckpointError, ConfigError, ToolError are ValueErrors
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def progress(items, *, desc: str, total: int | None = None, unit: str = "tensor"):
+    return tqdm(items, desc=desc, total=total, unit=unit, dynamic_ncols=True)
+
+
+# ------------------------------------------------------------------ output directory
+@contextlib.contextmanager
+def staging_directory(target: str | Path) -> Iterator[Path]:
+    """A fresh directory beside `target`, renamed to `target` when the block succeeds and removed
+    when it fails, so that a failure leaves no half-written checkpoint. `target` must not exist
+    (or be an empty directory): nothing already there is overwritten."""
+    target = Path(target).absolute()
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ToolError(f"save path {target} already exists and is not empty")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.{secrets.token_hex(4)}.partial"
+    staging.mkdir()  # exclusive: a clash with another run fails instead of sharing the directory
+    try:
+        yield staging
+        if target.exists():
+            target.rmdir()
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def copy_tokenizer_files(source: Path, destination: Path) -> list[str]:
+    """Copy the tokenizer files (`*token*`, as the reference does); returns their names."""
+    copied = []
+    for path in sorted(Path(source).glob(TOKENIZER_GLOB)):
+        if path.is_file():
+            shutil.copyfile(path, Path(destination) / path.name)
+            copied.append(path.name)
+    return copied
+
+
+# ------------------------------------------------------------------ reading tensors
+def read_tensor(file: SafetensorsFile, name: str, window=()) -> np.ndarray:
+    """Copy a tensor (or `window` of it) out of its memory-mapped file, then unmap the file so the
+    pages read stay out of this process's resident memory."""
+    try:
+        return np.array(file.tensor(name)[window])
+    finally:
+        file.release()
+
+
+# ------------------------------------------------------------------ the Hugging Face source
+def load_hf_config(directory: Path) -> tuple[dict, ModelArgs]:
+    """The raw `config.json` of a Hugging Face checkpoint directory and the ModelArgs it describes."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ToolError(f"checkpoint directory not found: {directory}")
+    path = directory / HF_CONFIG
+    if not path.is_file():
+        raise ToolError(f"no {HF_CONFIG} in {directory}")
+    args = ModelArgs.from_file(path)
+    return json.loads(path.read_text()), args
+
+
+def check_source(directory: Path, args: ModelArgs, set_aside: Callable[[str], bool] | None = None) -> CheckedTensors:
+    """Index a Hugging Face checkpoint's files and match every tensor to the model the config describes."""
+    return check_tensors(TensorIndex(directory), args, set_aside=set_aside)
+
+
+def in_file_order(index: TensorIndex, names) -> list[str]:
+    """Names sorted by (file, offset), so that files are read front to back."""
+    return sorted(names, key=lambda n: (index.location[n].path.name, index.location[n].entries[n][2]))

@@ -1,0 +1,105 @@
+"""Convert a Hugging Face DeepSeek-V2/V3 checkpoint into the reference's per-rank layout.
+
+    dsv3-convert --hf-ckpt-path HF_DIR --save-path OUT --n-experts 256 --model-parallel 8
+
+OUT receives `model{r}-mp{MP}.safetensors` for each rank r < MP and the tokenizer files. Names are
+the reference's (`model.` dropped, `self_attn`->`attn`, `q_b_proj`->`wq_b`, `weight_scale_inv`->
+`scale`, ...); the multi-token-prediction layer is skipped. Routed experts go whole to the rank
+that owns them (experts [r*E/MP, (r+1)*E/MP)); embed, wq, wq_b, wkv_b, w1, w3 and head are cut
+into MP equal parts along dim 0, wo and w2 along dim 1, the fp8 block scales of a cut weight
+along the same dimension in whole 128-blocks; everything else is copied to every rank.
+
+Load the result with `dsv3_jax.load(OUT, config=<reference JSON or ModelArgs>, num_devices=N)`.
+Each source tensor is read once and each rank's part written straight to that rank's file, so
+host memory stays near the largest tensor whatever the model size.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import contextlib
+from pathlib import Path
+
+from ..config import ModelArgs
+from ..safetensors_io import SafetensorsWriter
+from ..schema import rank_file_name, routed_expert, split_dim
+from ..sharding import check_divisible
+from .common import (ToolError, check_source, copy_tokenizer_files, in_file_order, load_hf_config, progress,
+                     read_tensor, run_tool, staging_directory)
+
+
+def check_model_parallel(args: ModelArgs, n_experts: int, world: int) -> None:
+    """--n-experts must agree with the config, and every tensor the reference cuts over ranks must
+    cut evenly (the same rules as a mesh of `world` devices)."""
+    if world < 1:
+        raise ToolError(f"--model-parallel must be positive, got {world}")
+    if args.n_moe_layers and n_experts != args.n_routed_experts:
+        raise ToolError(f"--n-experts {n_experts} contradicts the config's n_routed_experts={args.n_routed_experts}")
+    check_divisible(args, world, "ranks of --model-parallel")
+
+
+def rank_parts(name: str, shape: tuple[int, ...], args: ModelArgs, world: int):
+    """[(rank, window)] of the ranks that receive part of tensor `name` (reference name)."""
+    expert = routed_expert(name)
+    if expert is not None:
+        return [(expert // (args.n_routed_experts // world), ())]
+    dim = split_dim(name)
+    if dim is None or world == 1:
+        return [(rank, ()) for rank in range(world)]
+    part = shape[dim] // world  # whole parts (and fp8 blocks): check_model_parallel
+    return [(rank, (slice(None),) * dim + (slice(rank * part, (rank + 1) * part),)) for rank in range(world)]
+
+
+def part_shape(shape: tuple[int, ...], window: tuple) -> tuple[int, ...]:
+    out = list(shape)
+    for axis, item in enumerate(window):
+        start, stop, _ = item.indices(shape[axis])
+        out[axis] = stop - start
+    return tuple(out)
+
+
+def convert(hf_ckpt_path: Path, save_path: Path, n_experts: int, world: int) -> None:
+    _, args = load_hf_config(hf_ckpt_path)
+    source = check_source(hf_ckpt_path, args)
+    check_model_parallel(source.args, n_experts, world)
+    index = source.index
+    reference_of = {hf: ref for ref, hf in source.model.items()}
+
+    plan = []  # (HF name, reference name, [(rank, window)]) in the order the files are read
+    layouts: list[list] = [[] for _ in range(world)]
+    for hf in in_file_order(index, reference_of):
+        ref = reference_of[hf]
+        parts = rank_parts(ref, source.shapes[ref], source.args, world)
+        for rank, window in parts:
+            layouts[rank].append((ref, index.dtype(hf), part_shape(source.shapes[ref], window)))
+        plan.append((hf, ref, parts))
+
+    with staging_directory(save_path) as staging, contextlib.ExitStack() as files:
+        writers = [files.enter_context(SafetensorsWriter(staging / rank_file_name(rank, world), layouts[rank]))
+                   for rank in range(world)]
+        for hf, ref, parts in progress(plan, desc=f"convert to {world} ranks"):
+            file = index.location[hf]
+            copied = read_tensor(file, hf) if len(parts) > 1 and parts[0][1] == () else None  # read once
+            for rank, window in parts:
+                writers[rank].write(ref, copied if copied is not None else read_tensor(file, hf, window))
+        files.close()
+        copy_tokenizer_files(hf_ckpt_path, staging)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf-ckpt-path", type=Path, required=True)
+    parser.add_argument("--save-path", type=Path, required=True)
+    parser.add_argument("--n-experts", type=int, required=True)
+    parser.add_argument("--model-parallel", type=int, required=True)
+    opts = parser.parse_args(argv)
+    convert(opts.hf_ckpt_path, opts.save_path, opts.n_experts, opts.model_parallel)
+
+
+def cli() -> int:
+    """The `dsv3-convert` console script."""
+    return run_tool(main)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

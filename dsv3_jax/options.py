@@ -1,0 +1,103 @@
+"""How a model runs, as opposed to what it is (`ModelArgs`): the runtime choices, in one place.
+
+`RunOptions` is made once (by `load`/`build`, or from command-line flags with `add_flags` and
+`from_flags`), checked once in its constructor, and then only read: the step, the cache and every
+layer take their choices from it. `StepContext` carries it through one forward step together with
+the step's positions and rotary angles.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax.numpy as jnp
+
+COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def _choice(default, choices: tuple, help: str):
+    return dataclasses.field(default=default, metadata={"choices": choices, "help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """The runtime choices of a model; each field's metadata names its allowed values."""
+
+    compute_dtype: str = _choice("bfloat16", tuple(COMPUTE_DTYPES),
+                                 "dtype of activations and of the non-fp8 weights")
+    attn_impl: str = _choice("absorb", ("absorb", "naive"),
+                             "MLA: absorb wkv_b and cache the latent, or cache per-head keys and values")
+    gemm_impl: str = _choice("bf16", ("bf16", "fp8"),
+                             "fp8 weights: dequantise them, or quantise activations for the scaled fp8 GEMM")
+    moe_impl: str = _choice("auto", ("auto", "kernel", "gather", "ragged"),
+                            "routed experts: the Pallas grouped GEMM, a gather of the experts in use, "
+                            "or ragged_dot (auto: the kernel on a GPU)")
+    decode_attn: str = _choice("xla", ("xla", "kernel"),
+                               "absorbed attention of single-token steps: XLA einsums or the Pallas kernel")
+    unroll: bool = dataclasses.field(default=False, metadata={"help": "unroll the layer scans (longer compile, "
+                                                                     "no loop between layers)"})
+
+    def __post_init__(self):
+        # the short names ModelArgs and the reference use for storage are accepted here too
+        object.__setattr__(self, "compute_dtype", _DTYPE_ALIASES.get(self.compute_dtype, self.compute_dtype))
+        for field in dataclasses.fields(self):
+            value, allowed = getattr(self, field.name), field.metadata.get("choices", (False, True))
+            if value not in allowed or type(value) is not type(field.default):
+                raise ValueError(f"{field.name} must be one of {allowed}, got {value!r}")
+
+    @classmethod
+    def make(cls, options: RunOptions | None = None, **choices) -> RunOptions:
+        """`options` with `choices` (field=value) replaced; the defaults when `options` is None."""
+        names = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(choices) - set(names))
+        if unknown:
+            raise TypeError(f"unknown run option {unknown[0]!r}; the run options are {', '.join(names)}")
+        return dataclasses.replace(options or cls(), **choices)
+
+    @property
+    def jnp_dtype(self):
+        """`compute_dtype` as a jnp dtype."""
+        return COMPUTE_DTYPES[self.compute_dtype]
+
+
+def add_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """A `--field-name` flag for every RunOptions field but `skip`, with its choices, default and help."""
+    for field in dataclasses.fields(RunOptions):
+        if field.name in skip:
+            continue
+        flag, help = "--" + field.name.replace("_", "-"), field.metadata["help"]
+        if field.type == "bool":
+            parser.add_argument(flag, action="store_true", help=help)
+        else:
+            parser.add_argument(flag, default=field.default, choices=field.metadata["choices"],
+                                help=f"{help} (default: {field.default})")
+
+
+def from_flags(namespace: argparse.Namespace, **overrides) -> RunOptions:
+    """The RunOptions named by flags that `add_flags` added (fields it skipped keep their defaults)."""
+    given = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(RunOptions) if hasattr(namespace, f.name)}
+    return RunOptions(**{**given, **overrides})
+
+
+def choices(name: str) -> tuple:
+    """The allowed values of RunOptions field `name`."""
+    return next(f for f in dataclasses.fields(RunOptions) if f.name == name).metadata["choices"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What every layer of one forward step shares: per-row positions and their rotary angles,
+    the cache window read by attention, the run options and the checkpoint's activation-scale format."""
+
+    positions: jnp.ndarray  # (B, S) int32 absolute positions of the chunk's tokens
+    cos: jnp.ndarray  # (B, S, rope_dim // 2) float32
+    sin: jnp.ndarray
+    kv_len: int  # attention reads cache positions [0, kv_len)
+    options: RunOptions = RunOptions()
+    scale_fmt: str | None = None  # ModelArgs.scale_fmt: None or "ue8m0"
+
+    @property
+    def gemm(self) -> dict:
+        """The keyword arguments of `Linear.__call__` that choose its GEMM."""
+        return dict(gemm_impl=self.options.gemm_impl, scale_fmt=self.scale_fmt)
