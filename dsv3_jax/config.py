@@ -259,7 +259,8 @@ _HF_IGNORED = {
 # The Hugging Face key behind each ModelArgs field, so that an error names what the user wrote.
 _HF_KEY_OF = {field: key for key, field in _HF_RENAMES.items()} | {
     "rope_factor": "rope_scaling.factor", "original_seq_len": "rope_scaling.original_max_position_embeddings",
-    "beta_fast": "rope_scaling.beta_fast", "beta_slow": "rope_scaling.beta_slow", "mscale": "rope_scaling.mscale_all_dim",
+    "beta_fast": "rope_scaling.beta_fast", "beta_slow": "rope_scaling.beta_slow",
+    "mscale": "rope_scaling.mscale_all_dim",
 }
 
 

@@ -24,8 +24,8 @@ from ..config import ModelArgs
 from ..safetensors_io import SafetensorsWriter
 from ..schema import rank_file_name, routed_expert, split_dim
 from ..sharding import check_divisible
-from .common import (ToolError, check_output_path, check_source, copy_tokenizer_files, in_file_order, load_hf_config, progress,
-                     read_tensor, run_tool, staging_directory)
+from .common import (ToolError, check_output_path, check_source, copy_tokenizer_files, in_file_order,
+                     load_hf_config, progress, read_tensor, run_tool, staging_directory)
 
 
 def check_model_parallel(args: ModelArgs, n_experts: int, world: int) -> None:

@@ -22,8 +22,8 @@ from ..cli import ArgumentParser
 from ..orbax_io import MTP_KEY, STATE_DIR, StreamedArray, save_streamed
 from ..safetensors_io import CheckpointError
 from ..schema import HF_CONFIG, CheckedTensors, abstract_state, hf_name, reference_names, stacked_axes
-from .common import check_output_path, check_source, copy_tokenizer_files, load_hf_config, progress, read_tensor, run_tool, \
-    staging_directory
+from .common import (check_output_path, check_source, copy_tokenizer_files, load_hf_config, progress, read_tensor,
+                     run_tool, staging_directory)
 
 EXTRA_FILES = ("generation_config.json",)
 
