@@ -46,8 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "default: the embedded tiny demo model")
     parser.add_argument("--config", type=Path, default=None,
                         help="model config (reference or Hugging Face JSON); default: the checkpoint's config.json")
-    # required, but checked after parsing: argparse would report a missing mode before an unknown flag
-    mode = parser.add_mutually_exclusive_group()
+    mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--input-file", type=Path, help=f"batch mode: one prompt per line (at most {MAX_BATCH_PROMPTS}), "
                       "each a single user turn")
     mode.add_argument("--interactive", action="store_true", help="interactive chat (/clear, /exit)")
@@ -65,8 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-processes", type=int, default=None, help="processes of a multi-process run")
     parser.add_argument("--process-id", type=int, default=None, help="this process's index in [0, --num-processes)")
     args = parser.parse_args(argv)
-    if args.input_file is None and not args.interactive:
-        parser.error("one of the arguments --input-file --interactive is required")
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if not args.temperature >= 0:

@@ -39,7 +39,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default in (None, False) or "default" in text:
+        if action.default is None or action.default is False or "default" in text:
             return text
         return super()._get_help_string(action)
 
@@ -51,6 +51,22 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        # An unknown flag is reported first: argparse would complain about the required arguments
+        # it displaced (or a typo of one of them) instead.
+        switches = [*self._actions, *self._mutually_exclusive_groups]
+        required = [item for item in switches if item.required]
+        for item in required:
+            item.required = False
+        try:
+            _, unknown = self.parse_known_args(args, None)
+        finally:
+            for item in required:
+                item.required = True
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return super().parse_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
