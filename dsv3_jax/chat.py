@@ -8,7 +8,8 @@ Interactive: `>>> ` reads a turn; `/exit` ends, `/clear` empties the history; th
 through the checkpoint's chat template, the answer is streamed as it is generated, then its
 prefill and decode rates (compilation excluded). Batch: one prompt per line of --input-file, each a
 single user turn, printed as "Prompt:" / "Completion:" pairs, the rates on stderr. Bad flags, paths,
-configs or input end the run with one line on stderr (exit 1; 2 for flags argparse rejects). Multi-process: start the same command once per process with
+configs or input end the run with one line on stderr (exit 1; 2 for flags argparse rejects).
+Multi-process: start the same command once per process with
 --coordinator-address/--num-processes/--process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
 JAX_PROCESS_ID); the mesh spans every process's devices, only process 0 reads input and prints,
 and it shares each input with the others.
