@@ -158,3 +158,14 @@ def test_memory_plan_reads_hf_configs_and_reports_bad_ones_in_one_line(tmp_path)
     one_error_line(run(ROOT / "scripts" / "memory_plan.py", "--config", bad), "'hidden_size' must be int")
     one_error_line(run(ROOT / "scripts" / "memory_plan.py", "--config", tmp_path / "none.json"),
                    f"config file not found: {tmp_path / 'none.json'}")
+
+
+def test_interactive_notes_a_cut_answer_and_prints_rates():
+    tokenizer = Tokenizer.from_dir(TINY)
+    limit = len(tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}])) + 3
+    result = chat("--interactive", "--num-devices", "1", "--max-seq-len", limit, "--max-new-tokens", 40,
+                  "--temperature", 0, stdin="Hello there\n")
+    assert result.returncode == 0, result.stderr
+    assert f"dsv3-chat: the answer stopped after 3 tokens at --max-seq-len={limit}" in result.stderr
+    rates = RATES.search(result.stdout)
+    assert rates and int(rates.group(1)) == limit - 3 and int(rates.group(2)) == 2, result.stdout
