@@ -87,7 +87,7 @@ def _place_shards(shape, sharding: NamedSharding, read) -> jax.Array:
 
 
 # How a caller supplies a config the checkpoint lacks, in the terms of both the API and the CLI.
-CONFIG_HINT = "pass one (config= in Python, --config on the command line): a reference or Hugging Face JSON"
+CONFIG_HINT = "pass config= (Python) or --config (command line) with a reference or Hugging Face JSON"
 
 
 def find_config(directory: Path) -> Path:
