@@ -16,11 +16,12 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .cache import allocate_cache, cache_specs, cache_window
-from .checkpoint import ReferenceLayoutIndex, find_config, home_rank, load_state
+from .checkpoint import CONFIG_HINT, ReferenceLayoutIndex, find_config, home_rank, load_state
 from .config import ModelArgs
 from .generate import generate
 from .model import Transformer
 from .options import RunOptions, StepContext
+from .progress import progress_bar
 from .orbax_io import has_array, is_orbax_checkpoint, restore_state
 from .rope import inverse_frequencies, rotary_angles
 from .safetensors_io import CheckpointError, TensorIndex
@@ -79,7 +80,12 @@ class Model:
             raise ValueError(f"batch {batch} exceeds max_batch_size={self.args.max_batch_size}")
         if tokens.min() < 0 or tokens.max() >= self.args.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.args.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
-        start = np.broadcast_to(np.asarray(start_pos, dtype=np.int64), (batch,))
+        start = np.asarray(start_pos)
+        if not np.issubdtype(start.dtype, np.integer) or start.ndim > 1:
+            raise TypeError(f"start_pos must be an int or a list of one int per row, got {start_pos!r}")
+        if start.ndim == 1 and start.size != batch:
+            raise ValueError(f"start_pos has {start.size} entries for a batch of {batch} rows")
+        start = np.broadcast_to(start.astype(np.int64), (batch,))
         if start.min() < 0:
             raise ValueError(f"start_pos must not be negative, got {start.min()}")
         end = int(start.max()) + seq
@@ -117,7 +123,7 @@ def _mesh_for(args: ModelArgs, num_devices: int, mesh: Mesh | None) -> Mesh:
 
 def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh: Mesh | None = None,
          max_batch_size: int = 8, max_seq_len: int = 4096, config=None, dtype: str | None = None,
-         **choices) -> Model:
+         progress: bool | None = None, **choices) -> Model:
     """Load a checkpoint directory onto `num_devices` devices (or `mesh`), each device reading its own shard.
 
     The directory holds a Hugging Face checkpoint (config.json + *.safetensors), the reference's
@@ -126,6 +132,7 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
     config: None (read `config.json`), a path to a reference or HF JSON, or a `ModelArgs`.
     options / choices: the `RunOptions`, or any of its fields as keywords (compute_dtype="float32",
     attn_impl=..., gemm_impl=..., moe_impl=..., decode_attn=..., unroll=...).
+    progress: a bar of the bytes and tensors read (process 0 only); None: when stderr is a terminal.
     """
     options = _run_options(options, dtype, choices)
     path = Path(path)
@@ -134,7 +141,7 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
     ranked = rank_files(path)
     if config is None and ranked:
         raise CheckpointError(f"{path} holds the reference's per-rank files, which carry no config: "
-                              "pass config= (a reference JSON or ModelArgs)")
+                              f"{CONFIG_HINT}")
     if config is None:
         args = ModelArgs.from_file(find_config(path))
     elif isinstance(config, ModelArgs):
@@ -146,7 +153,10 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
     if is_orbax_checkpoint(path):
         args = with_gate_bias(args, lambda name: has_array(path, ("moe_layers", "ffn", "gate", "bias")))
         graphdef, abstract_state = _abstract(args, options)
-        state = restore_state(path, abstract_state, args, mesh)
+        # orbax restores the whole state in one call: the bar can only say when it is done
+        with progress_bar(1, desc="restoring orbax state", unit="checkpoint", enabled=progress) as bar:
+            state = restore_state(path, abstract_state, args, mesh)
+            bar.update(1)
     else:
         if ranked:
             index, naming = ReferenceLayoutIndex(path, args.n_routed_experts, home_rank(mesh, len(ranked))), str
@@ -154,7 +164,7 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
             index, naming = TensorIndex(path), hf_name
         args = with_gate_bias(args, lambda name: naming(name) in index)
         graphdef, abstract_state = _abstract(args, options)
-        state = load_state(index, abstract_state, args, mesh, naming)
+        state = load_state(index, abstract_state, args, mesh, naming, progress=progress)
     return Model(args, graphdef, state, mesh, options)
 
 

@@ -6,8 +6,10 @@
 
 Interactive: `>>> ` reads a turn; `/exit` ends, `/clear` empties the history; the history goes
 through the checkpoint's chat template, the answer is streamed as it is generated, then its
-tokens/s. Batch: one prompt per line of --input-file, each a single user turn, printed as
-"Prompt:" / "Completion:" pairs. Multi-process: start the same command once per process with
+prefill and decode rates (compilation excluded). Batch: one prompt per line of --input-file, each a
+single user turn, printed as "Prompt:" / "Completion:" pairs, the rates on stderr. Bad flags, paths,
+configs or input end the run with one line on stderr (exit 1; 2 for flags argparse rejects).
+Multi-process: start the same command once per process with
 --coordinator-address/--num-processes/--process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
 JAX_PROCESS_ID); the mesh spans every process's devices, only process 0 reads input and prints,
 and it shares each input with the others.
@@ -18,7 +20,6 @@ import argparse
 import hashlib
 import os
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -26,50 +27,71 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from .api import load
-from .config import ConfigError
-from .generate import generate, warm_up
+from .cli import ArgumentParser, run_cli
+from .generate import Plan, Timing, generate, warm_up
 from .options import add_flags, from_flags
-from .safetensors_io import CheckpointError
-from .tokenizer import Tokenizer, TokenizerError
+from .tokenizer import Tokenizer
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "assets" / "tiny"
 MAX_BATCH_PROMPTS = 8
 
 
-class ChatError(Exception):
+class ChatError(ValueError):
     """A problem the user can fix (bad flags, files, prompts); reported in one line."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="dsv3-chat", description="Chat with a DeepSeek-V3 model in JAX.")
+    parser = ArgumentParser(prog="dsv3-chat", description="Chat with a DeepSeek-V3 model in JAX.")
     parser.add_argument("--ckpt-path", type=Path, default=None,
                         help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files); "
                              "default: the embedded tiny demo model")
     parser.add_argument("--config", type=Path, default=None,
                         help="model config (reference or Hugging Face JSON); default: the checkpoint's config.json")
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--input-file", type=Path, help="batch mode: one prompt per line")
-    mode.add_argument("--interactive", action="store_true", help="interactive chat")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.2, help="0 means greedy")
+    mode.add_argument("--input-file", type=Path, help=f"batch mode: one prompt per line (at most {MAX_BATCH_PROMPTS}), "
+                      "each a single user turn")
+    mode.add_argument("--interactive", action="store_true", help="interactive chat (/clear, /exit)")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="longest answer, in tokens")
+    parser.add_argument("--temperature", type=float, default=0.2, help="sampling temperature; 0 means greedy")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: off)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first turn (turn i uses seed + i)")
     parser.add_argument("--num-devices", type=int, default=None, help="devices of the mesh (default: all, "
                         "over all processes)")
     add_flags(parser)
-    parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--max-seq-len", type=int, default=4096,
+                        help="tokens of a conversation (prompt + answer) the cache holds")
     parser.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
-    parser.add_argument("--num-processes", type=int, default=None)
-    parser.add_argument("--process-id", type=int, default=None)
+    parser.add_argument("--num-processes", type=int, default=None, help="processes of a multi-process run")
+    parser.add_argument("--process-id", type=int, default=None, help="this process's index in [0, --num-processes)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
-        parser.error("--max-new-tokens must be at least 1")
-    if args.temperature < 0:
-        parser.error("--temperature must not be negative")
+        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if not args.temperature >= 0:
+        parser.error(f"--temperature must not be negative, got {args.temperature}")
+    if args.top_k < 0:
+        parser.error(f"--top-k must not be negative (0: off), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must lie in (0, 1] (1: off), got {args.top_p}")
+    if not 0 <= args.seed < 2**31:
+        parser.error(f"--seed must lie in [0, 2**31), got {args.seed}")
+    if args.num_devices is not None and args.num_devices < 1:
+        parser.error(f"--num-devices must be at least 1, got {args.num_devices}")
     if args.max_seq_len < 1:
-        parser.error("--max-seq-len must be at least 1")
+        parser.error(f"--max-seq-len must be at least 1, got {args.max_seq_len}")
     return args
+
+
+def check_paths_and_devices(args: argparse.Namespace) -> None:
+    """What the flags name must exist (and the devices must be there) before anything is loaded."""
+    if args.ckpt_path is not None and not args.ckpt_path.is_dir():
+        what = "is not a directory" if args.ckpt_path.exists() else "does not exist"
+        raise ChatError(f"--ckpt-path {args.ckpt_path} {what}")
+    if args.config is not None and not args.config.is_file():
+        what = "is not a file" if args.config.exists() else "does not exist"
+        raise ChatError(f"--config {args.config} {what}")
+    if args.num_devices is not None and args.num_devices > jax.device_count():
+        raise ChatError(f"--num-devices {args.num_devices} exceeds the {jax.device_count()} devices available")
 
 
 def start_distributed(args: argparse.Namespace) -> None:
@@ -123,18 +145,48 @@ class Console:
         return bytes(shared[:size]).decode("utf-8")
 
     def read_line(self, prompt: str) -> str | None:
-        line = None
+        line, undecodable = None, False
         if self.leader:
             try:
                 line = input(prompt)
             except EOFError:
                 print(flush=True)
-        return self.share(line)
+            except UnicodeDecodeError:
+                undecodable = True
+                print(flush=True)
+            else:
+                # a terminal's surrogate-escaped bytes are no text either, and the tokenizer rejects them
+                undecodable = not _is_text(line)
+                line = None if undecodable else line
+        line = self.share(line)  # the others end their input too rather than wait for a turn
+        if undecodable:
+            raise ChatError("standard input is not UTF-8 text")
+        return line
 
     def write(self, text: str) -> None:
         if self.leader:
             sys.stdout.write(text)
             sys.stdout.flush()
+
+    def note(self, text: str) -> None:
+        """One line on stderr, beside the conversation or the completions."""
+        if self.leader:
+            print(text, file=sys.stderr, flush=True)
+
+
+def _is_text(line: str) -> bool:
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def note_cut(console: Console, args: argparse.Namespace, what: str, prompt: list[int], completion: list[int]) -> None:
+    """Say so when a completion ended at --max-seq-len rather than at eos or --max-new-tokens."""
+    room = args.max_seq_len - len(prompt)
+    if len(completion) == room < args.max_new_tokens:
+        console.note(f"dsv3-chat: {what} stopped after {len(completion)} tokens at --max-seq-len={args.max_seq_len}")
 
 
 class StreamPrinter:
@@ -170,6 +222,8 @@ def load_model(args: argparse.Namespace, batch: int):
         raise ChatError(f"the tokenizer in {path} names no eos_token")
     model = load(path, options=from_flags(args), num_devices=args.num_devices or jax.device_count(),
                           max_batch_size=batch, max_seq_len=args.max_seq_len, config=args.config)
+    if args.top_k > model.args.vocab_size:
+        raise ChatError(f"--top-k {args.top_k} exceeds the model's vocabulary of {model.args.vocab_size} tokens")
     return model, tokenizer
 
 
@@ -183,8 +237,16 @@ def run_interactive(args: argparse.Namespace, console: Console) -> None:
               "/exit quits", file=sys.stderr, flush=True)
     # one attention window for the whole session: every turn reuses one compiled decode step
     options = dict(top_k=args.top_k, top_p=args.top_p, window=args.max_seq_len)
-    greeting = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}])
-    warm_up(model, [len(greeting)], args.max_new_tokens, **options)
+    compiled_buckets = set()
+
+    def compile_for(prompt: list[int]) -> None:
+        """Compile the prefill of a new prompt-length bucket before the turn is timed."""
+        bucket = Plan.make([len(prompt)], args.max_new_tokens, args.max_seq_len, window=args.max_seq_len).bucket
+        if bucket not in compiled_buckets:
+            warm_up(model, [len(prompt)], args.max_new_tokens, **options)
+            compiled_buckets.add(bucket)
+
+    compile_for(tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}]))
     messages: list[dict[str, str]] = []
     turn = 0
     while True:
@@ -203,27 +265,30 @@ def run_interactive(args: argparse.Namespace, console: Console) -> None:
             console.write(f"the conversation has {len(prompt)} tokens and leaves no room for an answer within "
                           f"--max-seq-len={args.max_seq_len}: /clear it\n")
             continue
-        printer = StreamPrinter(tokenizer, console)
-        start = time.perf_counter()
+        compile_for(prompt)
+        printer, timing = StreamPrinter(tokenizer, console), Timing()
         completion = generate(model, [prompt], args.max_new_tokens, tokenizer.eos_id, args.temperature,
-                              args.seed + turn, on_tokens=printer if console.leader else None, **options)[0]
-        seconds = time.perf_counter() - start
+                              args.seed + turn, on_tokens=printer if console.leader else None, timing=timing,
+                              **options)[0]
         answer = printer.finish(completion)
-        console.write(f"[{len(completion)} tokens in {seconds:.2f} s, {len(completion) / seconds:.1f} tokens/s]\n")
+        console.write(f"{timing}\n")
+        note_cut(console, args, "the answer", prompt, completion)
         messages.append({"role": "assistant", "content": answer})
         turn += 1
 
 
 def read_prompts(path: Path, console: Console) -> list[str]:
-    text = None
+    text, problem = None, "process 0 could not read it"
     if console.leader:
         try:
             text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            console.write(f"dsv3-chat: error: cannot read --input-file {path}: {err}\n")
+        except OSError as err:
+            problem = err.strerror or str(err)
+        except UnicodeDecodeError:
+            problem = "not UTF-8 text"
     text = console.share(text)
     if text is None:
-        raise ChatError(f"cannot read --input-file {path}")
+        raise ChatError(f"cannot read --input-file {path}: {problem}")
     prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ChatError(f"--input-file {path} holds no prompts")
@@ -237,14 +302,18 @@ def run_batch(args: argparse.Namespace, console: Console) -> None:
     prompts = read_prompts(args.input_file, console)
     model, tokenizer = load_model(args, batch=len(prompts))
     tokens = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    for prompt, ids in zip(prompts, tokens):
-        if len(ids) > args.max_seq_len:
-            raise ChatError(f"prompt {prompt[:40]!r} has {len(ids)} tokens, more than --max-seq-len={args.max_seq_len}")
+    for number, (prompt, ids) in enumerate(zip(prompts, tokens), 1):
+        if len(ids) >= args.max_seq_len:
+            raise ChatError(f"prompt {number} ({prompt[:40]!r}) has {len(ids)} tokens and leaves no room for a "
+                            f"completion within --max-seq-len={args.max_seq_len}")
     warm_up(model, [len(t) for t in tokens], args.max_new_tokens, top_k=args.top_k, top_p=args.top_p)
-    completions = model.generate(tokens, args.max_new_tokens, tokenizer.eos_id, args.temperature, args.seed,
-                                 top_k=args.top_k, top_p=args.top_p)
-    for prompt, completion in zip(prompts, completions):
+    timing = Timing()
+    completions = generate(model, tokens, args.max_new_tokens, tokenizer.eos_id, args.temperature, args.seed,
+                           top_k=args.top_k, top_p=args.top_p, timing=timing)
+    for number, (prompt, ids, completion) in enumerate(zip(prompts, tokens, completions), 1):
         console.write(f"Prompt: {prompt}\nCompletion: {tokenizer.decode(completion)}\n\n")
+        note_cut(console, args, f"completion {number}", ids, completion)
+    console.note(str(timing))
 
 
 def check_same_settings(args: argparse.Namespace, console: Console) -> None:
@@ -265,24 +334,20 @@ def check_same_settings(args: argparse.Namespace, console: Console) -> None:
                         "every process needs the same command line")
 
 
-def main(argv: list[str] | None = None) -> int:
+def chat(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    start_distributed(args)
+    check_paths_and_devices(args)
+    console = Console()
+    check_same_settings(args, console)
+    if args.interactive:
+        run_interactive(args, console)
+    else:
+        run_batch(args, console)
 
-    try:
-        start_distributed(args)
-        console = Console()
-        check_same_settings(args, console)
-        if args.interactive:
-            run_interactive(args, console)
-        else:
-            run_batch(args, console)
-    except (ChatError, ConfigError, CheckpointError, TokenizerError, ValueError, FileNotFoundError) as err:
-        print(f"dsv3-chat: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("dsv3-chat", chat, argv)
 
 
 if __name__ == "__main__":

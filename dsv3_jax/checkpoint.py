@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from pallas_kernels import cdiv
 
 from .config import ModelArgs
+from .progress import progress_bar
 from .safetensors_io import CheckpointError, SafetensorsFile, TensorIndex
 from .schema import HF_CONFIG, check_tensors, hf_name, rank_files, reference_names, routed_expert, split_dim, \
     stacked_axes
@@ -32,12 +33,16 @@ def _read_block(index: TensorIndex, name: str, window: tuple[slice, ...], dtype)
 
 
 def load_state(index: TensorIndex, abstract_state: nnx.State, args: ModelArgs, mesh: Mesh,
-               naming: Callable[[str], str] = hf_name) -> nnx.State:
-    """Fill the abstract state from the checkpoint: each device's shard read by its own callback."""
+               naming: Callable[[str], str] = hf_name, progress: bool | None = None) -> nnx.State:
+    """Fill the abstract state from the checkpoint: each device's shard read by its own callback.
+    progress: draw a bar of the bytes and tensors read (see `progress_bar`)."""
     check_tensors(index, args, naming, state=abstract_state)
     spec_of = {tuple(str(p) for p in path): spec for path, spec in nnx.to_flat_state(partition_specs(abstract_state))}
+    flat = list(nnx.to_flat_state(abstract_state))
+    total = sum(variable.get_value().size * np.dtype(variable.get_value().dtype).itemsize for _, variable in flat)
+    bar = progress_bar(total, desc="loading", unit="B", enabled=progress, unit_scale=True, unit_divisor=1024)
     filled = []
-    for path, variable in nnx.to_flat_state(abstract_state):
+    for number, (path, variable) in enumerate(flat, 1):
         key = tuple(str(p) for p in path)
         target = variable.get_value()
         names = reference_names(key, args)
@@ -58,6 +63,9 @@ def load_state(index: TensorIndex, abstract_state: nnx.State, args: ModelArgs, m
 
         sharding = NamedSharding(mesh, spec_of[key])
         filled.append((path, variable.replace(_place_shards(target.shape, sharding, callback))))
+        bar.set_postfix_str(f"{number}/{len(flat)} tensors", refresh=False)
+        bar.update(target.size * dtype.itemsize)
+    bar.close()
     return nnx.from_flat_state(filled)
 
 
@@ -78,10 +86,14 @@ def _place_shards(shape, sharding: NamedSharding, read) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
+# How a caller supplies a config the checkpoint lacks, in the terms of both the API and the CLI.
+CONFIG_HINT = "pass config= (Python) or --config (command line) with a reference or Hugging Face JSON"
+
+
 def find_config(directory: Path) -> Path:
     path = Path(directory) / HF_CONFIG
     if not path.is_file():
-        raise CheckpointError(f"no config.json in {directory} (pass config= with a reference JSON)")
+        raise CheckpointError(f"no config.json in {directory}: {CONFIG_HINT}")
     return path
 
 

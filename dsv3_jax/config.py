@@ -118,14 +118,17 @@ class ModelArgs:
         """Translate a Hugging Face DeepseekV2/V3 `config.json` (a dict or a path to the file)."""
         if not isinstance(config, dict):
             config = _read_json(config)
-        return cls.from_dict(_translate_hf(config))
+        try:
+            return cls.from_dict(_translate_hf(config))
+        except ConfigError as err:
+            raise _in_hf_terms(err) from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelArgs":
         """Read either format, telling them apart by their keys (`hidden_size` marks Hugging Face)."""
         values = _read_json(path)
         if "hidden_size" in values or "model_type" in values:
-            return cls.from_dict(_translate_hf(values))
+            return cls.from_hf_config(values)
         return cls.from_dict(values)
 
     def replace(self, **changes) -> "ModelArgs":
@@ -253,6 +256,28 @@ _HF_IGNORED = {
 }
 
 
+# The Hugging Face key behind each ModelArgs field, so that an error names what the user wrote.
+_HF_KEY_OF = {field: key for key, field in _HF_RENAMES.items()} | {
+    "rope_factor": "rope_scaling.factor", "original_seq_len": "rope_scaling.original_max_position_embeddings",
+    "beta_fast": "rope_scaling.beta_fast", "beta_slow": "rope_scaling.beta_slow",
+    "mscale": "rope_scaling.mscale_all_dim",
+}
+
+
+def _in_hf_terms(err: ConfigError) -> ConfigError:
+    """`err` (about ModelArgs fields) reworded for a Hugging Face config: 'dim' becomes 'hidden_size'."""
+    message = str(err)
+    for field, key in _HF_KEY_OF.items():
+        message = message.replace(repr(field), repr(key))
+    return ConfigError(message.replace("config fields ", "config keys ").replace("config field ", "config key "))
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config key {key!r} must be a number, got {type(value).__name__} {value!r}")
+    return value
+
+
 def _translate_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """Map a Hugging Face DeepSeek config onto ModelArgs fields, rejecting what the port cannot run."""
     model_type = hf.get("model_type", "deepseek_v3")
@@ -292,16 +317,22 @@ def _translate_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(rope, dict):
         raise ConfigError("config key 'rope_scaling' must be an object or null")
     theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    out["rope_theta"] = float(theta)
+    out["rope_theta"] = float(_number("rope_theta", theta))
     rope_type = rope.get("type", rope.get("rope_type", "default"))
     if rope_type == "yarn":
         factor = rope.get("factor")
         original = rope.get("original_max_position_embeddings")
         if original is None:
             raise ConfigError("config key 'rope_scaling.original_max_position_embeddings' is required for yarn")
+        original = _number("rope_scaling.original_max_position_embeddings", original)
         if factor is None:
-            factor = hf.get("max_position_embeddings", original) / original
+            factor = _number("max_position_embeddings", hf.get("max_position_embeddings", original)) / original
+        factor = _number("rope_scaling.factor", factor)
         mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        for key, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim),
+                           ("attention_factor", rope.get("attention_factor"))):
+            if value is not None:
+                _number(f"rope_scaling.{key}", value)
         attention_factor = rope.get("attention_factor")
         if attention_factor is None:
             if mscale and mscale_all_dim:
@@ -320,6 +351,8 @@ def _translate_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config key 'rope_scaling.type' = {rope_type!r} is not supported (yarn or none)")
 
     quant = hf.get("quantization_config")
+    if quant and not isinstance(quant, dict):
+        raise ConfigError("config key 'quantization_config' must be an object or null")
     if quant:
         if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
             raise ConfigError("config key 'quantization_config' must describe block-wise fp8 e4m3")

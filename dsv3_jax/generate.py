@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -178,9 +179,28 @@ def decode(model, state: DecodeState, plan: Plan) -> DecodeState:
     return state
 
 
+@dataclasses.dataclass
+class Timing:
+    """Where a `generate` call spent its time: the prefill (prompt tokens in, first tokens out) and
+    the decode steps (every later token), each measured up to its results being ready."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    def __str__(self) -> str:
+        def rate(tokens, seconds):
+            return f"{tokens / seconds:.1f} tok/s" if seconds > 0 else "- tok/s"
+
+        return (f"[prefill {self.prefill_tokens} tokens {rate(self.prefill_tokens, self.prefill_seconds)} · "
+                f"decode {self.decode_tokens} tokens {rate(self.decode_tokens, self.decode_seconds)}]")
+
+
 def generate(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | None,
              temperature: float = 1.0, seed: int = 0, *, top_k: int = 0, top_p: float = 1.0, window: int = 0,
-             on_tokens: Callable[[list[list[int]]], None] | None = None) -> list[list[int]]:
+             on_tokens: Callable[[list[list[int]]], None] | None = None,
+             timing: Timing | None = None) -> list[list[int]]:
     """Complete every prompt; the reference's contract with per-row positions.
 
     Row i emits at most min(max_new_tokens, total_len - len_i) tokens (total_len =
@@ -188,12 +208,19 @@ def generate(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int,
     `eos_id` (None: no eos); the loop ends when every row is finished. `on_tokens(completions)`
     is called after every step with the completions so far (for streaming). The next step is
     dispatched before the newest tokens are fetched, so the one small transfer per step overlaps
-    the device's work.
+    the device's work. `timing`, when given, receives the prefill's and the decode steps' tokens
+    and seconds (it waits for the prefill to finish: compile before timing, e.g. with `warm_up`).
     """
+    started = time.perf_counter()
     state, plan = prefill(model, prompt_tokens, max_new_tokens, eos_id=eos_id, temperature=temperature, seed=seed,
                           top_k=top_k, top_p=top_p, window=window)
+    if timing is not None:
+        state.token.block_until_ready()
+        prefilled = time.perf_counter()
+        timing.prefill_tokens, timing.prefill_seconds = sum(plan.lengths), prefilled - started
     completions: list[list[int]] = [[] for _ in plan.lengths]
     active = [budget > 0 for budget in plan.budgets]
+    decoded = 0  # tokens kept from decode steps (the first of each row comes from the prefill)
     for index in range(plan.max_new_tokens):
         following = decode(model, state, plan) if index + 1 < plan.max_new_tokens else None
         tokens = np.asarray(state.token)
@@ -204,12 +231,15 @@ def generate(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int,
                 active[row] = False
                 continue
             completions[row].append(token)
+            decoded += index > 0
             active[row] = len(completions[row]) < plan.budgets[row]
         if on_tokens is not None:
             on_tokens(completions)
         if not any(active):
             break
         state = following
+    if timing is not None:
+        timing.decode_tokens, timing.decode_seconds = decoded, time.perf_counter() - prefilled
     return completions
 
 

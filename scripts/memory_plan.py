@@ -3,18 +3,21 @@ weights, fp8 block scales, the absorbed-MLA cache and the largest activations of
 
     python scripts/memory_plan.py --config config_671B.json --devices 8 --batch 32 --seq-len 4096
 
+--config takes a reference JSON or a Hugging Face config.json.
+
 Counts come from the model's own parameter shapes and partition specs (an abstract model, no
 memory is allocated), so the plan follows the code.
 """
 from __future__ import annotations
 
-import argparse
 import math
+import sys
 from pathlib import Path
 
 import jax
 
 from dsv3_jax.cache import cache_shapes
+from dsv3_jax.cli import ArgumentParser, run_cli
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.schema import abstract_state
 from dsv3_jax.sharding import parameter_bytes_per_device
@@ -35,19 +38,23 @@ def activation_bytes(args: ModelArgs, devices: int, batch: int, chunk: int, kv_l
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=4096)
+def main(argv=None) -> None:
+    parser = ArgumentParser(prog="memory_plan.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="model config: a reference JSON or a Hugging Face config.json")
+    parser.add_argument("--devices", type=int, default=8, help="devices the model is split over")
+    parser.add_argument("--batch", type=int, default=32, help="rows of the cache")
+    parser.add_argument("--seq-len", type=int, default=4096, help="positions of the cache")
     parser.add_argument("--prefill-chunk", type=int, default=4096, help="tokens per row per prefill call")
     parser.add_argument("--device-gib", type=float, default=143771 / 1024, help="memory of one device (H200: 143771 MiB)")
     parser.add_argument("--out", help="write the plan as markdown here")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
+    for flag in ("devices", "batch", "seq_len", "prefill_chunk"):
+        if getattr(opts, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(opts, flag)}")
 
-    args = ModelArgs.from_reference_json(opts.config).replace(max_batch_size=opts.batch, max_seq_len=opts.seq_len)
-    args = args.replace(gate_bias=args.score_func == "sigmoid")
+    args = ModelArgs.from_file(opts.config).replace(max_batch_size=opts.batch, max_seq_len=opts.seq_len)
+    if args.gate_bias is None:  # a Hugging Face config states it; the reference's rule otherwise
+        args = args.replace(gate_bias=args.score_func == "sigmoid")
     weights = parameter_bytes_per_device(abstract_state(args, jax.numpy.bfloat16), opts.devices)
     cache = {name: math.prod(shape) * 2 for name, shape in cache_shapes(args, "absorb", opts.batch, opts.seq_len).items()}
     acts = activation_bytes(args, opts.devices, opts.batch, opts.prefill_chunk, opts.seq_len, 2)
@@ -71,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli("memory_plan.py", main))

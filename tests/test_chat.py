@@ -17,7 +17,7 @@ from dsv3_jax.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = Path(dsv3_jax.__file__).parent / "assets" / "tiny"
-ANSWER = re.compile(r"(?:>>> )+(.*?)\n\[(\d+) tokens in [\d.]+ s, [\d.]+ tokens/s\]\n", re.S)
+ANSWER = re.compile(r"(?:>>> )+(.*?)\n\[prefill (\d+) tokens [\d.]+ tok/s · decode \d+ tokens [\d.-]+ tok/s\]\n", re.S)
 
 
 def run_chat(*flags: str, stdin: str = "", timeout: float = 180) -> subprocess.CompletedProcess:

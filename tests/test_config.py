@@ -109,7 +109,10 @@ def test_reference_errors_name_the_field(values, field):
     ({"some_new_knob": 1}, "some_new_knob"),
     ({"topk_method": "random"}, "topk_method"),
     ({"num_key_value_heads": 1}, "num_key_value_heads"),
-    ({"hidden_size": "64"}, "dim"),
+    ({"hidden_size": "64"}, "'hidden_size' must be int"),
+    ({"hidden_size": "big"}, "config key 'hidden_size' must be int, got str 'big'"),
+    ({"rope_theta": "big"}, "'rope_theta' must be a number"),
+    ({"n_group": 0}, "'n_group' must be positive"),
     ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}, "weight_block_size"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_scaling.type"),
 ])

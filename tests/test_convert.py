@@ -459,7 +459,7 @@ def test_bad_input_fails_cleanly(bf16_source, tmp_path, failure, capsys):
         module = __import__(f"dsv3_jax.convert.{name}", fromlist=["main"])
         code = run_tool(module.main, [str(a) for a in argv(source, out)[1:]])
         err = capsys.readouterr().err.strip().splitlines()
-        assert code == 1 and err and err[-1].startswith("error: ") and message in err[-1], (name, err)
+        assert code == 1 and len(err) == 1 and ": error: " in err[0] and message in err[0], (name, err)
         assert not out.exists() and leftovers(tmp_path) == [], name
 
 

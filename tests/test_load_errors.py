@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+import jax
+
 import dsv3_jax
 from dsv3_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
 from hf_models import hf_model, save
@@ -125,10 +127,24 @@ def test_forward_input_errors(tiny):
         (np.zeros(4, int), 0, "2-D integer array"),
         (np.zeros((1, 2)), 0, "2-D integer array"),
         (np.zeros((1, 2), int), -1, "start_pos must not be negative"),
+        (np.zeros((2, 2), int), [0, 1, 2], "start_pos has 3 entries for a batch of 2 rows"),
     ]
     for tokens, start, message in cases:
         with pytest.raises(ValueError, match=message):
             model.forward(tokens, start)
+    for start in (2.7, [0.0, 1.0], "2", [[0, 1]]):
+        with pytest.raises(TypeError, match="start_pos must be an int or a list of one int per row"):
+            model.forward(np.zeros((2, 2), int), start)
+
+
+def test_progress_bar_counts_bytes_and_tensors(tiny, capsys):
+    """progress=True draws a bar on stderr; the default (None) draws none when stderr is no terminal."""
+    dsv3_jax.load(tiny[1], max_batch_size=1, max_seq_len=16)
+    assert capsys.readouterr().err == ""
+    model = dsv3_jax.load(tiny[1], max_batch_size=1, max_seq_len=16, progress=True)
+    bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    count = len(jax.tree_util.tree_leaves(model.state))
+    assert bar.startswith("loading: 100%") and f"{count}/{count} tensors" in bar and "B/" in bar, bar
 
 
 def test_explicit_mesh(tiny):

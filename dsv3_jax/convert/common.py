@@ -15,14 +15,14 @@ import json
 import os
 import secrets
 import shutil
-import sys
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
+from ..cli import run_cli
 from ..config import ModelArgs
+from ..progress import progress_bar
 from ..safetensors_io import SafetensorsFile, TensorIndex
 from ..schema import HF_CONFIG, CheckedTensors, check_tensors
 
@@ -34,33 +34,38 @@ class ToolError(ValueError):
 
 
 # ------------------------------------------------------------------ command line
-def run_tool(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> int:
+def run_tool(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None,
+             prog: str = "dsv3") -> int:
     """Run a tool's `main`; bad input (config, checkpoint, arguments, files) exits 1 with one line."""
-    try:
-        main(argv)
-    except (ValueError, OSError) as err:  # CheckpointError, ConfigError, ToolError are ValueErrors
-        message = " ".join(str(err).split()) or type(err).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 1
-    return 0
+    return run_cli(prog, main, argv)
 
 
 def progress(items, *, desc: str, total: int | None = None, unit: str = "tensor"):
-    return tqdm(items, desc=desc, total=total, unit=unit, dynamic_ncols=True)
+    """The tools' progress bar over `items` (or None, updated by hand), drawn when stderr is a terminal."""
+    return progress_bar(total, desc=desc, unit=unit, iterable=items)
 
 
 # ------------------------------------------------------------------ output directory
-@contextlib.contextmanager
-def staging_directory(target: str | Path) -> Iterator[Path]:
-    """A fresh directory beside `target`, renamed to `target` when the block succeeds and removed
-    when it fails, so that a failure leaves no half-written checkpoint. `target` must not exist
-    (or be an empty directory): nothing already there is overwritten."""
+def check_output_path(target: str | Path) -> Path:
+    """`target` as an absolute path, if the tool may write there: it must not exist (or be an empty
+    directory), so nothing already there is overwritten. Checked before any input is read."""
     target = Path(target).absolute()
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ToolError(f"save path {target} already exists and is not empty")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+@contextlib.contextmanager
+def staging_directory(target: str | Path) -> Iterator[Path]:
+    """A fresh directory beside `target`, renamed to `target` when the block succeeds and removed
+    when it fails, so that a failure leaves no half-written checkpoint (see `check_output_path`)."""
+    target = check_output_path(target)
     staging = target.parent / f".{target.name}.{secrets.token_hex(4)}.partial"
-    staging.mkdir()  # exclusive: a clash with another run fails instead of sharing the directory
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()  # exclusive: a clash with another run fails instead of sharing the directory
+    except OSError as err:  # named by the user's path, not the staging name they never gave
+        raise ToolError(f"cannot create save path {target}: {err.strerror or err}") from None
     try:
         yield staging
         if target.exists():

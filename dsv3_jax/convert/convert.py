@@ -15,17 +15,17 @@ host memory stays near the largest tensor whatever the model size.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import contextlib
+import sys
 from pathlib import Path
 
+from ..cli import ArgumentParser
 from ..config import ModelArgs
 from ..safetensors_io import SafetensorsWriter
 from ..schema import rank_file_name, routed_expert, split_dim
 from ..sharding import check_divisible
-from .common import (ToolError, check_source, copy_tokenizer_files, in_file_order, load_hf_config, progress,
-                     read_tensor, run_tool, staging_directory)
+from .common import (ToolError, check_output_path, check_source, copy_tokenizer_files, in_file_order,
+                     load_hf_config, progress, read_tensor, run_tool, staging_directory)
 
 
 def check_model_parallel(args: ModelArgs, n_experts: int, world: int) -> None:
@@ -59,6 +59,7 @@ def part_shape(shape: tuple[int, ...], window: tuple) -> tuple[int, ...]:
 
 
 def convert(hf_ckpt_path: Path, save_path: Path, n_experts: int, world: int) -> None:
+    check_output_path(save_path)
     _, args = load_hf_config(hf_ckpt_path)
     source = check_source(hf_ckpt_path, args)
     check_model_parallel(source.args, n_experts, world)
@@ -87,18 +88,19 @@ def convert(hf_ckpt_path: Path, save_path: Path, n_experts: int, world: int) -> 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hf-ckpt-path", type=Path, required=True)
-    parser.add_argument("--save-path", type=Path, required=True)
-    parser.add_argument("--n-experts", type=int, required=True)
-    parser.add_argument("--model-parallel", type=int, required=True)
+    parser = ArgumentParser(prog="dsv3-convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf-ckpt-path", type=Path, required=True,
+                        help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)")
+    parser.add_argument("--save-path", type=Path, required=True, help="output directory (must not exist, or be empty)")
+    parser.add_argument("--n-experts", type=int, required=True, help="routed experts (must match the config)")
+    parser.add_argument("--model-parallel", type=int, required=True, help="ranks to split over (MP)")
     opts = parser.parse_args(argv)
     convert(opts.hf_ckpt_path, opts.save_path, opts.n_experts, opts.model_parallel)
 
 
 def cli() -> int:
     """The `dsv3-convert` console script."""
-    return run_tool(main)
+    return run_tool(main, prog="dsv3-convert")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ One tensor is in memory at a time (plus its bf16 result); files are written tens
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import shutil
@@ -27,9 +26,11 @@ from tqdm import tqdm
 
 from pallas_kernels import FP8_BLOCK, cdiv, weight_dequant
 
+from ..cli import ArgumentParser
 from ..safetensors_io import CheckpointError, SafetensorsWriter
 from ..schema import FP8, HF_CONFIG, HF_INDEX
-from .common import ToolError, check_source, load_hf_config, progress, read_tensor, run_tool, staging_directory
+from .common import (ToolError, check_output_path, check_source, load_hf_config, progress, read_tensor, run_tool,
+                     staging_directory)
 
 SCALE_SUFFIX = "_scale_inv"
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -72,6 +73,7 @@ def output_config(config: dict) -> dict:
 
 
 def cast(input_dir: Path, output_dir: Path) -> None:
+    check_output_path(output_dir)
     config, args = load_hf_config(input_dir)
     # Checked against the bf16 model the config describes: scales are this tool's business.
     source = check_source(input_dir, args.replace(dtype="bf16"), set_aside=lambda n: n.endswith(SCALE_SUFFIX))
@@ -81,6 +83,8 @@ def cast(input_dir: Path, output_dir: Path) -> None:
             raise CheckpointError(f"unknown tensor {scale!r}: no weight {scale[:-len(SCALE_SUFFIX)]!r} to scale")
     warn = functools.partial(tqdm.write, file=sys.stderr)
     plans = {file_name: plan_file(index, file, warn) for file_name, file in index.files.items()}
+    if not any(scale for plan in plans.values() for _, scale in plan):
+        raise ToolError(f"no fp8 tensors in {input_dir}: nothing to cast")
     dequantize = make_dequantizer()
     total = sum(len(plan) for plan in plans.values())
     weight_map, total_bytes = {}, 0
@@ -110,9 +114,11 @@ def cast(input_dir: Path, output_dir: Path) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input-fp8-hf-path", type=Path, required=True)
-    parser.add_argument("--output-bf16-hf-path", type=Path, required=True)
+    parser = ArgumentParser(prog="dsv3-fp8-cast-bf16", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input-fp8-hf-path", type=Path, required=True,
+                        help="block-wise fp8 Hugging Face checkpoint directory")
+    parser.add_argument("--output-bf16-hf-path", type=Path, required=True,
+                        help="output directory (must not exist, or be empty)")
     opts = parser.parse_args(argv)
     if opts.input_fp8_hf_path.absolute() == opts.output_bf16_hf_path.absolute():
         raise ToolError("the output path must differ from the input path")
@@ -121,7 +127,7 @@ def main(argv=None) -> None:
 
 def cli() -> int:
     """The `dsv3-fp8-cast-bf16` console script."""
-    return run_tool(main)
+    return run_tool(main, prog="dsv3-fp8-cast-bf16")
 
 
 if __name__ == "__main__":

@@ -12,18 +12,18 @@ Peak host memory is about the largest single tensor: each stacked parameter is w
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import shutil
+import sys
 from pathlib import Path
 
 from flax import nnx
 
+from ..cli import ArgumentParser
 from ..orbax_io import MTP_KEY, STATE_DIR, StreamedArray, save_streamed
 from ..safetensors_io import CheckpointError
 from ..schema import HF_CONFIG, CheckedTensors, abstract_state, hf_name, reference_names, stacked_axes
-from .common import check_source, copy_tokenizer_files, load_hf_config, progress, read_tensor, run_tool, \
-    staging_directory
+from .common import (check_output_path, check_source, copy_tokenizer_files, load_hf_config, progress, read_tensor,
+                     run_tool, staging_directory)
 
 EXTRA_FILES = ("generation_config.json",)
 
@@ -63,6 +63,7 @@ def nest(tree: dict, keys, leaf) -> None:
 
 
 def to_orbax(hf_ckpt_path: Path, save_path: Path) -> None:
+    check_output_path(save_path)
     _, args = load_hf_config(hf_ckpt_path)
     source = check_source(hf_ckpt_path, args)
     total = len(source.model) + len(source.mtp)
@@ -90,16 +91,17 @@ def to_orbax(hf_ckpt_path: Path, save_path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hf-ckpt-path", type=Path, required=True)
-    parser.add_argument("--save-path", type=Path, required=True)
+    parser = ArgumentParser(prog="dsv3-to-orbax", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf-ckpt-path", type=Path, required=True,
+                        help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)")
+    parser.add_argument("--save-path", type=Path, required=True, help="output directory (must not exist, or be empty)")
     opts = parser.parse_args(argv)
     to_orbax(opts.hf_ckpt_path, opts.save_path)
 
 
 def cli() -> int:
     """The `dsv3-to-orbax` console script."""
-    return run_tool(main)
+    return run_tool(main, prog="dsv3-to-orbax")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""What every command-line tool of the package shares: an argument parser whose errors and help
+follow one style, and the wrapper that turns a user's mistake into one line on stderr.
+
+A mistake the user can fix (a bad flag, path, config or checkpoint) is a `ValueError` (ConfigError,
+CheckpointError, TokenizerError, the tools' own errors) or an `OSError`; it ends the command with
+`<prog>: error: <one line>` and exit code 1, never a traceback. Anything else is a bug and keeps
+its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, NoReturn, Sequence
+
+USER_ERRORS = (ValueError, OSError)
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message with its whitespace (newlines included) collapsed."""
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def run_cli(prog: str, main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> int:
+    """Run a command's `main`: 0 when it returns, 1 with one line for a user error, 130 on Ctrl-C."""
+    try:
+        main(argv)
+    except USER_ERRORS as err:
+        print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless there is none to show (None, an off switch) or the help
+    text already explains it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with defaults in --help and one-line errors (`<prog>: error: ...`, exit 2): the
+    usage block argparse prints above an error would bury the line that matters."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        # An unknown flag is reported first: argparse would complain about the required arguments
+        # it displaced (or a typo of one of them) instead.
+        switches = [*self._actions, *self._mutually_exclusive_groups]
+        required = [item for item in switches if item.required]
+        for item in required:
+            item.required = False
+        try:
+            _, unknown = self.parse_known_args(args, None)
+        finally:
+            for item in required:
+                item.required = True
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return super().parse_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
