@@ -101,7 +101,8 @@ def make_data(stdlib: Path, out: Path) -> dict:
     train = [(rel, text) for rel, text in files if not is_heldout(rel)]
     heldout = [(rel, text) for rel, text in files if is_heldout(rel)]
     tokenizer = train_tokenizer([text for _, text in train])
-    train_ids, heldout_ids = encode_split(tokenizer, [t for _, t in train]), encode_split(tokenizer, [t for _, t in heldout])
+    train_ids = encode_split(tokenizer, [t for _, t in train])
+    heldout_ids = encode_split(tokenizer, [t for _, t in heldout])
     out.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(out / "tokens.npz", train=train_ids, heldout=heldout_ids)
     (out / "tokenizer.json").write_text(tokenizer.to_str() + "\n", encoding="utf-8")
