@@ -202,8 +202,12 @@ def checkpoint_tensors(tm: TrainModel, args: ModelArgs, *, mtp_copies: bool = Tr
 
 
 def write_checkpoint(directory: str | Path, hf_config: dict, tensors: dict[str, np.ndarray],
-                     tokenizer_dir: str | Path | None = None, extra_files: dict[str, str] | None = None) -> Path:
-    """config.json + model.safetensors (+ tokenizer files), written to a temporary directory and renamed."""
+                     tokenizer_dir: str | Path | None = None, extra_files: dict[str, str] | None = None,
+                     max_file_bytes: int = 15 * 2**20) -> Path:
+    """config.json + the tensors (+ tokenizer files), written to a temporary directory and renamed.
+
+    The tensors go to `model.safetensors`, or, when they exceed `max_file_bytes`, to the hub's
+    sharded layout (`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`)."""
     from .safetensors_io import save_file
 
     directory = Path(directory)
@@ -213,7 +217,24 @@ def write_checkpoint(directory: str | Path, hf_config: dict, tensors: dict[str, 
         shutil.rmtree(staging)
     staging.mkdir()
     (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        if shards[-1] and size + array.nbytes > max_file_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], staging / "model.safetensors", metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, staging / filename, metadata={"format": "pt"})
+            weight_map.update({name: filename for name in shard})
+        index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))}, "weight_map": weight_map}
+        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
     if tokenizer_dir is not None:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copyfile(Path(tokenizer_dir) / name, staging / name)

@@ -25,7 +25,8 @@ warmup does not depend on it); the chosen count is printed, and --steps N reprod
 exactly (batches are drawn on the device from the seed and the step number).
 
 Outputs in --out: config.json (num_nextn_predict_layers 1), model.safetensors (bf16, HF names, the
-MTP module at layer num_hidden_layers; its copies of the embedding and head only with --mtp-copies),
+MTP module at layer num_hidden_layers; files of at most 15 MiB, so two files and an index for the
+demo; its copies of the embedding and head only with --mtp-copies),
 tokenizer.json, tokenizer_config.json, train_log.json (every evaluation and the final report) and
 train_log.md (a short table).
 """
@@ -110,6 +111,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def tokenizer_facts(directory: Path) -> tuple[int, int, int]:
+    """(vocab size, bos id, eos id) of the corpus' tokenizer (read with `tokenizers` alone)."""
+    import tokenizers
+
+    backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    return (backend.get_vocab_size(with_added_tokens=True), backend.token_to_id(config["bos_token"]),
+            backend.token_to_id(config["eos_token"]))
+
+
 def load_data(directory: Path, train_tokens: int = 0):
     with np.load(directory / "tokens.npz") as data:
         train, heldout = data["train"], data["heldout"]
@@ -150,7 +161,6 @@ def train(opts: argparse.Namespace) -> dict:
 
     from dsv3_jax.config import ModelArgs
     from dsv3_jax.sharding import make_mesh
-    from dsv3_jax.tokenizer import Tokenizer
     from dsv3_jax import training as T
 
     if opts.dtype == "float32":
@@ -158,9 +168,9 @@ def train(opts: argparse.Namespace) -> dict:
     if opts.ragged_dot == "dense":
         jax.config.update("jax_ragged_dot_use_ragged_dot_instruction", False)
     started = time.time()
-    tokenizer = Tokenizer.from_dir(opts.data)
+    vocab_size, bos_id, eos_id = tokenizer_facts(opts.data)
     train_ids, heldout_ids = load_data(opts.data, opts.train_tokens)
-    config = hf_config(opts.preset, tokenizer.vocab_size, opts.seq, tokenizer.bos_id, tokenizer.eos_id)
+    config = hf_config(opts.preset, vocab_size, opts.seq, bos_id, eos_id)
     args = ModelArgs.from_hf_config(config).replace(max_seq_len=opts.seq)
     compute = jnp.bfloat16 if opts.dtype == "bfloat16" else jnp.float32
     impl = dict(attn_impl="naive", gemm_impl="bf16", moe_impl="ragged")
@@ -316,7 +326,7 @@ def train(opts: argparse.Namespace) -> dict:
     tensors = {k: (v.astype(ml_dtypes.bfloat16) if v.dtype == np.float32 and not k.endswith("e_score_correction_bias")
                    and compute == jnp.bfloat16 else v) for k, v in tensors.items()}
     out = T.write_checkpoint(opts.out, config, tensors, opts.data)
-    log["checkpoint_bytes"] = (out / "model.safetensors").stat().st_size
+    log["checkpoint_bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     log["checkpoint_dir_bytes"] = sum(f.stat().st_size for f in out.iterdir())
 
     if not opts.no_reload_check:  # the written checkpoint, loaded like any other, gives the same held-out loss

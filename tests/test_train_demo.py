@@ -68,3 +68,21 @@ def test_reloaded_logits_match_the_serving_path(trained):
     logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
     expected = -logp[np.arange(2), tokens[:, -1]]
     np.testing.assert_allclose(nll[:, -1], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_sharded_write_reads_back(trained, tmp_path):
+    """Checkpoints over the file limit go to the hub's sharded layout (files + index), read as one."""
+    from dsv3_jax.safetensors_io import TensorIndex
+    from dsv3_jax.training import write_checkpoint
+
+    out, _ = trained
+    source = TensorIndex(out)
+    tensors = {name: np.asarray(source.tensor(name)) for name in source.names()}
+    config = json.loads((out / "config.json").read_text())
+    sharded = write_checkpoint(tmp_path / "sharded", config, tensors, out, max_file_bytes=2**20)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
+    index = TensorIndex(sharded)
+    assert set(index.names()) == set(tensors)
+    for name in list(tensors)[::7]:
+        np.testing.assert_array_equal(np.asarray(index.tensor(name)), tensors[name])
