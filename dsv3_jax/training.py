@@ -136,7 +136,8 @@ def sequence_nll(model, tokens, *, mtp: MTP | None = None, **choices):
 
     def local(state, mtp_state, tokens):
         module = nnx.merge(mtp_graph, mtp_state) if mtp_state is not None else None
-        out = forward_losses(nnx.merge(model.graphdef, state), module, args, tokens, options=options)
+        with options.precision_scope():
+            out = forward_losses(nnx.merge(model.graphdef, state), module, args, tokens, options=options)
         out.pop("loads")
         return out
 
