@@ -43,7 +43,8 @@ def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, 
     def local_step(state, cache, tokens, positions, last_index, kv_len):
         model = nnx.merge(graphdef, state)
         cos, sin = rotary_angles(positions, inv_freq, args.rope_attention_factor)
-        return model(tokens, StepContext(positions, cos, sin, kv_len, options, args.scale_fmt), cache, last_index)
+        with options.precision_scope():  # float32: full-precision dots (no TF32)
+            return model(tokens, StepContext(positions, cos, sin, kv_len, options, args.scale_fmt), cache, last_index)
 
     def step(state, cache, tokens, start_pos, last_index, *, kv_len: int):
         positions = start_pos[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]

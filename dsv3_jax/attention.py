@@ -74,9 +74,10 @@ class MLA(nnx.Module):
         self.wkv_b = Linear(args.kv_lora_rank, heads * (self.nope_dim + self.v_dim), parallel="column", **common)
         self.wo = Linear(heads * self.v_dim, args.dim, parallel="row", **common)
 
-    def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict, layer) -> tuple[jnp.ndarray, dict]:
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict | None, layer) -> tuple[jnp.ndarray, dict]:
         """x (B, S, dim) -> (attention output (B, S, dim), summed over ranks; this chunk's cache entries).
 
+        `cache` None: no cache, the chunk attends to itself (a full-sequence pass; `kv_len` unused).
         `cache` is read, not written: attention sees its window with this chunk's entries put in
         place, and the caller stores the returned entries (see `write_cache`)."""
         batch, seq, _ = x.shape
@@ -94,17 +95,18 @@ class MLA(nnx.Module):
         k_pe = apply_rotary(k_pe, ctx.cos, ctx.sin, self.rope_interleave)
         latent = self.kv_norm(latent)
 
-        # key position t is visible to the query at position p iff t <= p
-        key_pos = jnp.arange(ctx.kv_len)
-        visible = key_pos[None, None, None, :] <= ctx.positions[:, :, None, None]  # (B, S, 1, T)
+        # key position t is visible to the query at position p iff t <= p. Without a cache (a
+        # full-sequence pass, e.g. training) the chunk's own tokens are the keys.
+        key_pos = jnp.arange(ctx.kv_len)[None, None, None, :] if cache is not None else ctx.positions[:, None, None, :]
+        visible = key_pos <= ctx.positions[:, :, None, None]  # (B, S, 1, T)
 
         if ctx.options.attn_impl == "naive":
             kv_full = self.wkv_b(latent, **gemm).reshape(batch, seq, heads, self.nope_dim + self.v_dim)
             k_nope, v = kv_full[..., : self.nope_dim], kv_full[..., self.nope_dim:]
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (batch, seq, heads, self.rope_dim))], -1)
             entries = dict(k=k, v=v)
-            keys = insert_rows(read_cache(cache["k"], layer, batch, ctx.kv_len), k, ctx.positions)
-            values = insert_rows(read_cache(cache["v"], layer, batch, ctx.kv_len), v, ctx.positions)
+            keys = _window(cache, "k", layer, ctx, k)
+            values = _window(cache, "v", layer, ctx, v)
             q_full = jnp.concatenate([q_nope, q_pe], -1)
             scores = _einsum("bshd,bthd->bsht", q_full, keys) * self.softmax_scale
             probs = _softmax(scores, visible).astype(x.dtype)
@@ -113,20 +115,28 @@ class MLA(nnx.Module):
             wkv_b = self.wkv_b.dequantized(x.dtype).reshape(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
             entries = dict(kv=latent, pe=k_pe)
             q_latent = _einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : self.nope_dim]).astype(x.dtype)
-            if ctx.options.decode_attn == "kernel" and seq == 1:
+            if ctx.options.decode_attn == "kernel" and seq == 1 and cache is not None:
                 # read in place: cache positions < p are the row's older tokens, plus its new entry
                 out_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], cache["kv"], cache["pe"], layer,
                                         ctx.positions[:, 0], latent[:, 0], k_pe[:, 0], scale=self.softmax_scale,
                                         kv_len=ctx.kv_len)[:, None].astype(x.dtype)
             else:
-                latents = insert_rows(read_cache(cache["kv"], layer, batch, ctx.kv_len), latent, ctx.positions)
-                rotary_keys = insert_rows(read_cache(cache["pe"], layer, batch, ctx.kv_len), k_pe, ctx.positions)
+                latents = _window(cache, "kv", layer, ctx, latent)
+                rotary_keys = _window(cache, "pe", layer, ctx, k_pe)
                 scores = (_einsum("bshc,btc->bsht", q_latent, latents)
                           + _einsum("bshr,btr->bsht", q_pe, rotary_keys)) * self.softmax_scale
                 probs = _softmax(scores, visible).astype(x.dtype)
                 out_latent = _einsum("bsht,btc->bshc", probs, latents).astype(x.dtype)
             out = _einsum("bshc,hdc->bshd", out_latent, wkv_b[:, self.nope_dim:]).astype(x.dtype)
         return self.wo(out.reshape(batch, seq, -1), reduce=True, **gemm), entries
+
+
+def _window(cache: dict | None, name: str, layer, ctx: StepContext, new: jnp.ndarray) -> jnp.ndarray:
+    """What attention reads: the cache window [0, kv_len) with this chunk's entries in place, or,
+    without a cache, the chunk's entries alone."""
+    if cache is None:
+        return new
+    return insert_rows(read_cache(cache[name], layer, new.shape[0], ctx.kv_len), new, ctx.positions)
 
 
 def _softmax(scores: jnp.ndarray, visible: jnp.ndarray) -> jnp.ndarray:

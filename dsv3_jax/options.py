@@ -8,8 +8,10 @@ the step's positions and rotary angles.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -59,6 +61,18 @@ class RunOptions:
     def jnp_dtype(self):
         """`compute_dtype` as a jnp dtype."""
         return COMPUTE_DTYPES[self.compute_dtype]
+
+    @property
+    def matmul_precision(self) -> str | None:
+        """float32 means float32 on every backend: "highest" for float32 compute (XLA on a GPU would
+        otherwise run float32 dots as TF32, 10-bit mantissas); None (the backend default) for bf16."""
+        return "highest" if self.compute_dtype == "float32" else None
+
+    def precision_scope(self):
+        """The context a step is traced in: `jax.default_matmul_precision(matmul_precision)` when set."""
+        if self.matmul_precision is None:
+            return contextlib.nullcontext()
+        return jax.default_matmul_precision(self.matmul_precision)
 
 
 def add_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:

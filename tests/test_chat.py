@@ -17,6 +17,7 @@ from dsv3_jax.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = Path(dsv3_jax.__file__).parent / "assets" / "tiny"
+DEMO = Path(dsv3_jax.__file__).parent / "assets" / "demo"
 ANSWER = re.compile(r"(?:>>> )+(.*?)\n\[prefill (\d+) tokens [\d.]+ tok/s · decode \d+ tokens [\d.-]+ tok/s\]\n", re.S)
 
 
@@ -51,7 +52,7 @@ def demo():
 
 def test_interactive_demo_streams_answers_with_history_and_clear(demo):
     turns = ["Hello! Tell me about the weather.", "What is 3 plus 4?", "/clear", "Who are you?"]
-    result = run_chat("--interactive", "--num-devices", "1", stdin="\n".join(turns) + "\n")
+    result = run_chat("--tiny", "--interactive", "--num-devices", "1", stdin="\n".join(turns) + "\n")
     assert result.returncode == 0, result.stderr  # end of input exits cleanly
     answers = ANSWER.findall(result.stdout)
     model, tokenizer = demo
@@ -63,7 +64,7 @@ def test_interactive_demo_streams_answers_with_history_and_clear(demo):
 
 
 def test_exit_command_ends_the_session():
-    result = run_chat("--interactive", "--num-devices", "1", "--max-new-tokens", "8",
+    result = run_chat("--tiny", "--interactive", "--num-devices", "1", "--max-new-tokens", "8",
                       stdin="Hi\n/exit\nThis is never answered\n")
     assert result.returncode == 0, result.stderr
     assert len(ANSWER.findall(result.stdout)) == 1
@@ -72,7 +73,8 @@ def test_exit_command_ends_the_session():
 def test_batch_mode_prints_prompt_completion_pairs(tmp_path):
     prompts = ["What is 3 plus 4?", "Describe a red lamp.", "Hello, my name is Ada."]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n\n")
-    result = run_chat("--input-file", str(tmp_path / "prompts.txt"), "--num-devices", "1", "--max-new-tokens", "32")
+    result = run_chat("--tiny", "--input-file", str(tmp_path / "prompts.txt"), "--num-devices", "1",
+                      "--max-new-tokens", "32")
     assert result.returncode == 0, result.stderr
     model = dsv3_jax.load(TINY, max_batch_size=3, max_seq_len=4096)
     tokenizer = Tokenizer.from_dir(TINY)
@@ -84,17 +86,48 @@ def test_batch_mode_prints_prompt_completion_pairs(tmp_path):
 
 def test_bad_invocations_fail_in_one_line(tmp_path):
     result = run_chat("--max-new-tokens", "5")
-    assert result.returncode == 2 and "one of the arguments --input-file --interactive is required" in result.stderr
+    assert result.returncode == 2 and "one of the arguments --input-file --interactive --complete is required" in result.stderr
     result = run_chat("--interactive", "--ckpt-path", str(tmp_path / "nowhere"))
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0 and "dsv3-chat: error:" in result.stderr
     (tmp_path / "empty.txt").write_text("\n")
-    result = run_chat("--input-file", str(tmp_path / "empty.txt"))
+    result = run_chat("--tiny", "--input-file", str(tmp_path / "empty.txt"))
     assert result.returncode == 1 and "holds no prompts" in result.stderr
+    result = run_chat("--tiny", "--complete", "--ckpt-path", str(TINY))
+    assert result.returncode == 2 and "--tiny and --ckpt-path" in result.stderr
+    result = run_chat("--tiny", "--complete", stdin="\n")
+    assert result.returncode == 1 and "the prompt is empty" in result.stderr
+
+
+def test_complete_with_the_demo_model_by_default():
+    """The default model is the trained demo; --complete continues raw text (BOS + prompt, no chat
+    template), greedy here, exactly as the API does, and the continuation is Python."""
+    prompt = "def fibonacci(n):"
+    result = run_chat("--complete", "--num-devices", "1", "--temperature", "0", "--max-new-tokens", "24",
+                      stdin=prompt + "\n")
+    assert result.returncode == 0, result.stderr
+    assert "demo model" in result.stderr and "Python 3.12 standard library" in result.stderr
+    tokenizer = Tokenizer.from_dir(DEMO)
+    assert tokenizer.chat_template is None
+    model = dsv3_jax.load(DEMO, max_batch_size=1, max_seq_len=4096)
+    ids = tokenizer.encode(prompt)
+    assert ids[0] == tokenizer.bos_id and len(ids) > 1
+    completion = model.generate([ids], 24, tokenizer.eos_id, temperature=0.0)[0]
+    assert result.stdout == prompt + tokenizer.decode(completion) + "\n"
+    assert result.stdout.startswith(prompt + "\n    ")  # the function body is indented
+
+
+def test_demo_assets_fit_and_are_documented():
+    size = sum(f.stat().st_size for f in DEMO.iterdir())
+    assert size <= 24 * 10**6
+    names = sorted(p.name for p in DEMO.iterdir())
+    assert names == ["LICENSE-PSF.txt", "MODEL_CARD.md", "config.json", "model.safetensors", "tokenizer.json",
+                     "tokenizer_config.json"]
+    assert json.loads((DEMO / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
 
 @pytest.mark.parametrize("name, flags", [
-    ("dsv3-chat", ("--ckpt-path", "--config", "--input-file", "--interactive", "--max-new-tokens", "--temperature",
+    ("dsv3-chat", ("--ckpt-path", "--tiny", "--config", "--input-file", "--interactive", "--complete", "--max-new-tokens", "--temperature",
                    "--num-devices", "--compute-dtype", "--gemm-impl", "--attn-impl", "--moe-impl", "--decode-attn",
                    "--unroll", "--max-seq-len", "--coordinator-address")),
     ("dsv3-convert", ("--hf-ckpt-path", "--save-path", "--n-experts", "--model-parallel")),

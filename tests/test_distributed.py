@@ -28,7 +28,8 @@ def test_two_processes_chat_like_one(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(name, None)
-    command = [sys.executable, "-m", "dsv3_jax.chat", "--interactive", "--temperature", "0", "--max-new-tokens", "64"]
+    command = [sys.executable, "-m", "dsv3_jax.chat", "--tiny", "--interactive", "--temperature", "0",
+               "--max-new-tokens", "64"]
     # process 0 gets its settings as flags, process 1 through the environment
     leader = subprocess.Popen(command + ["--coordinator-address", address, "--num-processes", "2", "--process-id", "0"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -58,7 +59,7 @@ def test_processes_with_different_flags_fail_clearly():
     """A follower started with other generation flags is one clear error on every process, not a hang."""
     address = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    base = [sys.executable, "-m", "dsv3_jax.chat", "--interactive", "--temperature", "0",
+    base = [sys.executable, "-m", "dsv3_jax.chat", "--tiny", "--interactive", "--temperature", "0",
             "--coordinator-address", address, "--num-processes", "2"]
     processes = [subprocess.Popen(base + ["--max-new-tokens", tokens, "--process-id", str(rank)],
                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -1,0 +1,256 @@
+"""Training-side pieces: a cache-free full-sequence forward through the project's modules, the
+next-token and MTP losses, the expert loads that drive bias balancing, and the export of trained
+parameters as a Hugging Face checkpoint.
+
+Everything here runs inside `jax.shard_map` over a mesh with the model axis (the modules' psums need
+it); `shard_over` wraps a function for a mesh. The forward is the inference model's own: the same
+MLA (called without a cache: a chunk attends to itself), MoE, norms, embedding and head; only the
+layer loop is written out here, so that each MoE layer's expert loads come back with the output.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from .config import ModelArgs
+from .layers import MODEL_AXIS
+from .model import Block, Transformer
+from .moe import MoE
+from .mtp import MTP, mtp_hf_tensors
+from .options import RunOptions, StepContext
+from .rope import inverse_frequencies, rotary_angles
+from .schema import hf_name, reference_names, stacked_axes
+
+# the run options of training: per-head keys and values (no cache to absorb into), ragged_dot experts
+TRAIN_OPTIONS = RunOptions(attn_impl="naive", moe_impl="ragged")
+
+
+class TrainModel(nnx.Module):
+    """The main model and its MTP modules (the parameters a training run optimises)."""
+
+    def __init__(self, args: ModelArgs, *, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.model = Transformer(args, param_dtype=param_dtype, rngs=rngs)
+        self.mtp = nnx.List([MTP(args, param_dtype=param_dtype, rngs=rngs) for _ in range(args.n_mtp_layers)])
+
+
+def context(args: ModelArgs, positions: jnp.ndarray, options: RunOptions = TRAIN_OPTIONS) -> StepContext:
+    """The step context of a cache-free pass over tokens at `positions` (B, S)."""
+    cos, sin = rotary_angles(positions, inverse_frequencies(args), args.rope_attention_factor)
+    return StepContext(positions, cos, sin, positions.shape[1], options, args.scale_fmt)
+
+
+def block_forward(block: Block, x: jnp.ndarray, ctx: StepContext) -> tuple[jnp.ndarray, jnp.ndarray | None]:
+    """Block.__call__ without a cache, plus the routed-expert loads (E,) of an MoE block (else None)."""
+    h = x + block.attn(block.attn_norm(x), ctx, None, 0)[0]
+    normed = block.ffn_norm(h)
+    if isinstance(block.ffn, MoE):
+        _, indices = block.ffn.gate(normed.reshape(-1, normed.shape[-1]))
+        loads = jnp.bincount(indices.reshape(-1), length=block.ffn.gate.weight.shape[-2])
+        return h + block.ffn(normed, ctx), loads
+    return h + block.ffn(normed, ctx, reduce=True), None
+
+
+def sequence_hidden(model: Transformer, tokens: jnp.ndarray, ctx: StepContext, *, remat: bool = False):
+    """tokens (B, S) -> (hidden states after the final norm (B, S, dim), MoE loads (n_moe_layers, E) or None)."""
+    h = model.embed(tokens)
+    loads = None
+    for stack in (model.dense_layers, model.moe_layers):
+        if stack is None:
+            continue
+        graphdef, state = nnx.split(stack)
+
+        def one_layer(h, layer_state, graphdef=graphdef):
+            return block_forward(nnx.merge(graphdef, layer_state), h, ctx)
+
+        if remat:
+            one_layer = jax.checkpoint(one_layer)
+        h, stack_loads = jax.lax.scan(one_layer, h, state)
+        if stack is model.moe_layers:
+            loads = stack_loads
+    return model.norm(h), loads
+
+
+def head_logits(model: Transformer, hidden: jnp.ndarray) -> jnp.ndarray:
+    """float32 logits (..., vocab) of every position (the vocabulary-parallel head, gathered)."""
+    logits = model.head(hidden, out_dtype=jnp.float32)
+    return jax.lax.all_gather(logits, MODEL_AXIS, axis=logits.ndim - 1, tiled=True)
+
+
+def token_nll(logits: jnp.ndarray, targets: jnp.ndarray) -> jnp.ndarray:
+    """-log p(target) per position, float32."""
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    return logz - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+
+
+def forward_losses(model: Transformer, mtp: MTP | None, args: ModelArgs, tokens: jnp.ndarray, *, remat: bool = False,
+                   options: RunOptions = TRAIN_OPTIONS) -> dict:
+    """Teacher-forced pass over windows tokens (B, S + 1): per-position losses and routing loads.
+
+    Returns nll (B, S) of t_{i+1}; with an MTP module, mtp_nll (B, S - 1) of t_{i+2},
+    the MTP draft's argmax and the main model's argmax (to measure greedy acceptance); loads
+    (n_moe_layers [+ 1 for the MTP block], E) of the routed experts."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    batch, seq = inputs.shape
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None], (batch, seq))
+    hidden, loads = sequence_hidden(model, inputs, context(args, positions, options), remat=remat)
+    logits = head_logits(model, hidden)
+    out = {"nll": token_nll(logits, targets), "main_argmax": jnp.argmax(logits, -1)}
+    all_loads = [loads] if loads is not None else []
+    if mtp is not None:
+        ctx = context(args, positions[:, 1:], options)  # the block runs at position i + 1
+        x = mtp.inputs(model.embed(inputs[:, 1:]), hidden[:, :-1], ctx)
+        y, mtp_loads = block_forward(mtp.block, x, ctx)
+        mtp_logits = head_logits(model, mtp.shared_head.norm(y))
+        out["mtp_nll"] = token_nll(mtp_logits, tokens[:, 2:])
+        out["mtp_argmax"] = jnp.argmax(mtp_logits, -1)
+        if mtp_loads is not None:
+            all_loads.append(mtp_loads[None])
+    out["loads"] = jnp.concatenate(all_loads) if all_loads else None
+    return out
+
+
+def shard_over(mesh: Mesh, fn, param_specs, n_other: int):
+    """fn(params, *others) inside `jax.shard_map` on `mesh` (params split by `param_specs`, the rest replicated)."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=(param_specs,) + (P(),) * n_other, out_specs=P(), check_vma=False)
+
+
+# ------------------------------------------------------------------------ evaluating a loaded model
+def sequence_nll(model, tokens, *, mtp: MTP | None = None, **choices):
+    """Per-position -log p of windows tokens (B, S + 1) under an `api.Model` (a loaded checkpoint), on
+    its mesh, with its run options (attention naive and experts ragged unless `choices` say otherwise);
+    with `mtp` (replicated), also the MTP outputs (see forward_losses)."""
+    from .sharding import partition_specs
+
+    args = model.args
+    specs = partition_specs(model.state)
+    mtp_state = nnx.split(mtp)[1] if mtp is not None else None
+    mtp_graph = nnx.split(mtp)[0] if mtp is not None else None
+    options = RunOptions.make(model.options, **{"attn_impl": "naive", "moe_impl": "ragged", **choices})
+
+    def local(state, mtp_state, tokens):
+        module = nnx.merge(mtp_graph, mtp_state) if mtp_state is not None else None
+        with options.precision_scope():
+            out = forward_losses(nnx.merge(model.graphdef, state), module, args, tokens, options=options)
+        out.pop("loads")
+        return out
+
+    run = jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(specs, P(), P()), out_specs=P(), check_vma=False))
+    return run(model.state, mtp_state, jnp.asarray(tokens, jnp.int32))
+
+
+# ------------------------------------------------------------------------ balancing and export
+def update_gate_biases(state: dict, loads: jnp.ndarray, gamma: float) -> dict:
+    """DeepSeek-V3's auxiliary-loss-free balancing: bias_i += gamma * sign(mean load - load_i), per MoE
+    layer (the MoE stack's biases, then the MTP blocks'), on a pure-dict state; returns a new dict."""
+    def nudge(bias, layer_loads):
+        layer_loads = layer_loads.astype(jnp.float32)
+        return bias + gamma * jnp.sign(layer_loads.mean(-1, keepdims=True) - layer_loads)
+
+    state = jax.tree.map(lambda x: x, state)  # shallow structural copy
+    row = 0
+    model = state["model"]
+    if "moe_layers" in model and "bias" in model["moe_layers"]["ffn"]["gate"]:
+        gate = model["moe_layers"]["ffn"]["gate"]
+        depth = gate["bias"].shape[0]
+        gate["bias"] = nudge(gate["bias"], loads[row:row + depth])
+        row += depth
+    for key in sorted(state.get("mtp", {})):
+        gate = state["mtp"][key]["block"]["ffn"].get("gate") if "ffn" in state["mtp"][key]["block"] else None
+        if gate is not None and "bias" in gate:
+            gate["bias"] = nudge(gate["bias"], loads[row])
+            row += 1
+    return state
+
+
+def is_gate_bias(path: tuple) -> bool:
+    names = [str(getattr(p, "key", p)) for p in path]
+    return names[-2:] == ["gate", "bias"]
+
+
+def transformer_hf_tensors(state: nnx.State, args: ModelArgs) -> dict[str, np.ndarray]:
+    """Every tensor of a Transformer state under its Hugging Face name (stacks unstacked), numpy."""
+    tensors = {}
+    for path, variable in nnx.to_flat_state(state):
+        path = tuple(str(p) for p in path)
+        value = np.asarray(variable.get_value())
+        names, axes = reference_names(path, args), stacked_axes(path)
+        if axes == 0:
+            tensors[hf_name(names)] = value
+        elif axes == 1:
+            for layer in range(value.shape[0]):
+                tensors[hf_name(names(layer))] = value[layer]
+        else:
+            for layer in range(value.shape[0]):
+                for expert in range(value.shape[1]):
+                    tensors[hf_name(names(layer, expert))] = value[layer, expert]
+    return tensors
+
+
+def checkpoint_tensors(tm: TrainModel, args: ModelArgs, *, mtp_copies: bool = True) -> dict[str, np.ndarray]:
+    """The whole model, MTP module at layer num_hidden_layers included, under Hugging Face names."""
+    tensors = transformer_hf_tensors(nnx.split(tm.model)[1], args)
+    if len(tm.mtp):
+        embed = tensors["model.embed_tokens.weight"] if mtp_copies else None
+        head = tensors["lm_head.weight"] if mtp_copies else None
+        tensors.update(mtp_hf_tensors(nnx.split(tm.mtp[0])[1], args, embed, head))
+    return tensors
+
+
+def write_checkpoint(directory: str | Path, hf_config: dict, tensors: dict[str, np.ndarray],
+                     tokenizer_dir: str | Path | None = None, extra_files: dict[str, str] | None = None,
+                     max_file_bytes: int = 15 * 2**20) -> Path:
+    """config.json + the tensors (+ tokenizer files), written to a temporary directory and renamed.
+
+    The tensors go to `model.safetensors`, or, when they exceed `max_file_bytes`, to the hub's
+    sharded layout (`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`)."""
+    from .safetensors_io import save_file
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = directory.with_name(directory.name + ".partial")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir()
+    (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        if shards[-1] and size + array.nbytes > max_file_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], staging / "model.safetensors", metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, staging / filename, metadata={"format": "pt"})
+            weight_map.update({name: filename for name in shard})
+        index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))}, "weight_map": weight_map}
+        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+    if tokenizer_dir is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(Path(tokenizer_dir) / name, staging / name)
+    for name, text in (extra_files or {}).items():
+        (staging / name).write_text(text)
+    if directory.exists():
+        shutil.rmtree(directory)
+    staging.rename(directory)
+    return directory
+
+
+def param_count(tree) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+__all__ = ["TrainModel", "TRAIN_OPTIONS", "context", "block_forward", "sequence_hidden", "forward_losses", "sequence_nll",
+           "update_gate_biases", "checkpoint_tensors", "write_checkpoint", "shard_over"]
