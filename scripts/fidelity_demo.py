@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,8 +25,6 @@ import ml_dtypes
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 DEMO = ROOT / "dsv3_jax" / "assets" / "demo"
 DATA = ROOT / "data" / "pystdlib"

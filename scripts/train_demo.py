@@ -36,15 +36,12 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 DATA = ROOT / "data" / "pystdlib"
 

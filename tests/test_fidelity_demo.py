@@ -11,11 +11,10 @@ loss ~2.4, 0.25% relative loss is ~0.6% perplexity. On 8 windows the fp8 paths m
 +0.10% to +0.83% perplexity of bf16 (+0.04% to +0.34% loss; see the benchmark); 4 windows are noisier,
 so the bound is 1.5% perplexity (1.8x the worst measured).
 """
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 PPL_REL_BOUND = 0.015
 WINDOWS = 4
@@ -23,10 +22,7 @@ WINDOWS = 4
 
 @pytest.fixture(scope="module")
 def result():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "fidelity_demo.py"
-    spec = importlib.util.spec_from_file_location("fidelity_demo", path)
-    fidelity_demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fidelity_demo)
+    fidelity_demo = load_script("fidelity_demo")
     configs = [c for c in fidelity_demo.CONFIGS if c[0] in (
         "bfloat16", "fp8 weights, gemm bf16", "fp8 weights, gemm fp8", "fp8 ue8m0 scales, gemm fp8")]
     return fidelity_demo.measure(WINDOWS, configs, mtp=False)

@@ -4,10 +4,6 @@ realistic sizes, every tiling the benchmark times, jit and shard_map. Run on the
 or, for the largest GEMMs, as a float32 HIGHEST-precision XLA matmul of the dequantised operands."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,17 +13,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from kernel_checks import (AQ, GM, activations, check_act_quant, check_fp8_gemm, check_weight_dequant,
                            fp8_weight, gemm_operands, rel_l2)
 from pallas_kernels import GemmConfig, act_quant, fp8_gemm
+from script_modules import load_script
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-
-
-def _bench_module():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kernels"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture
@@ -85,7 +73,7 @@ def test_fp8_gemm_leading_dims(rng):
 
 
 def _bench_configs():
-    bench = _bench_module()
+    bench = load_script("bench_kernels")
     out = []
     for m in (1, 64, 4096):
         for cfg in [GM.default_config(m, 2112, 1536)] + bench.candidates(m, 2112, 1536):

@@ -2,11 +2,11 @@
 HF-layout checkpoint with the MTP module at layer num_hidden_layers, and it loads with dsv3_jax.load
 (and dsv3_jax.mtp.load_mtp) to give the same held-out losses as the trained parameters."""
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "pystdlib"
@@ -16,8 +16,7 @@ DATA = ROOT / "data" / "pystdlib"
 def trained(tmp_path_factory):
     if not (DATA / "tokens.npz").is_file():
         pytest.skip("data/pystdlib is absent (scripts/make_demo_data.py)")
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import train_demo
+    train_demo = load_script("train_demo")
 
     out = tmp_path_factory.mktemp("demo") / "ckpt"
     opts = train_demo.parse_args(["--out", str(out), "--preset", "tiny", "--steps", "8", "--batch", "4", "--seq", "32",
