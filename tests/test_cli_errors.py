@@ -86,7 +86,7 @@ def test_batch_prompt_without_room_for_a_completion(tmp_path):
     tokenizer = Tokenizer.from_dir(TINY)
     length = len(tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}]))
     (tmp_path / "prompts.txt").write_text("Hello there\n")
-    one_error_line(chat("--input-file", tmp_path / "prompts.txt", "--num-devices", "1", "--max-seq-len", length),
+    one_error_line(chat("--tiny", "--input-file", tmp_path / "prompts.txt", "--num-devices", "1", "--max-seq-len", length),
                    "prompt 1", f"{length} tokens", f"--max-seq-len={length}")
 
 
@@ -98,7 +98,7 @@ def test_batch_notes_cut_completions_and_prints_rates(tmp_path):
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     # room for 3 tokens after the longer prompt: its completion is cut (greedy: the tiny model babbles on)
     limit = max(lengths) + 3
-    result = chat("--input-file", tmp_path / "prompts.txt", "--num-devices", "1", "--max-seq-len", limit,
+    result = chat("--tiny", "--input-file", tmp_path / "prompts.txt", "--num-devices", "1", "--max-seq-len", limit,
                   "--max-new-tokens", 40, "--temperature", 0)
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -163,7 +163,7 @@ def test_memory_plan_reads_hf_configs_and_reports_bad_ones_in_one_line(tmp_path)
 def test_interactive_notes_a_cut_answer_and_prints_rates():
     tokenizer = Tokenizer.from_dir(TINY)
     limit = len(tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}])) + 3
-    result = chat("--interactive", "--num-devices", "1", "--max-seq-len", limit, "--max-new-tokens", 40,
+    result = chat("--tiny", "--interactive", "--num-devices", "1", "--max-seq-len", limit, "--max-new-tokens", 40,
                   "--temperature", 0, stdin="Hello there\n")
     assert result.returncode == 0, result.stderr
     assert f"dsv3-chat: the answer stopped after 3 tokens at --max-seq-len={limit}" in result.stderr
