@@ -44,6 +44,14 @@ def write_cache(cache: dict, entries: dict, positions: jnp.ndarray) -> dict:
             for name in cache}
 
 
+def write_layer_cache(cache: dict, entries: dict, positions: jnp.ndarray, layer: int) -> dict:
+    """Store one layer's new entries (B, S, ...) at cache[layer, row, positions[row, s]]."""
+    batch, seq = positions.shape
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
+    return {name: cache[name].at[layer, rows, positions].set(entries[name].astype(cache[name].dtype), mode="drop")
+            for name in cache}
+
+
 def _einsum(spec: str, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     """A float32-accumulating einsum. XLA:CPU lacks some bf16 x bf16 -> f32 batched dots, so on the
     CPU (tests only) bf16 operands are widened first; on the GPU they go to the tensor cores as is."""
@@ -99,6 +107,8 @@ class MLA(nnx.Module):
         # full-sequence pass, e.g. training) the chunk's own tokens are the keys.
         key_pos = jnp.arange(ctx.kv_len)[None, None, None, :] if cache is not None else ctx.positions[:, None, None, :]
         visible = key_pos <= ctx.positions[:, :, None, None]  # (B, S, 1, T)
+        if ctx.kv_start:  # the MTP block's cache starts at position kv_start
+            visible = visible & (key_pos >= ctx.kv_start)
 
         if ctx.options.attn_impl == "naive":
             kv_full = self.wkv_b(latent, **gemm).reshape(batch, seq, heads, self.nope_dim + self.v_dim)
@@ -115,7 +125,7 @@ class MLA(nnx.Module):
             wkv_b = self.wkv_b.dequantized(x.dtype).reshape(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
             entries = dict(kv=latent, pe=k_pe)
             q_latent = _einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : self.nope_dim]).astype(x.dtype)
-            if ctx.options.decode_attn == "kernel" and seq == 1 and cache is not None:
+            if ctx.options.decode_attn == "kernel" and seq == 1 and cache is not None and not ctx.kv_start:
                 # read in place: cache positions < p are the row's older tokens, plus its new entry
                 out_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], cache["kv"], cache["pe"], layer,
                                         ctx.positions[:, 0], latent[:, 0], k_pe[:, 0], scale=self.softmax_scale,
