@@ -40,8 +40,9 @@ def write_cache(cache: dict, entries: dict, positions: jnp.ndarray) -> dict:
     cache makes XLA copy the whole cache at every layer."""
     batch, seq = positions.shape
     rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
-    return {name: cache[name].at[:, rows, positions].set(entries[name].astype(cache[name].dtype), mode="drop")
-            for name in cache}
+    # entries cover layers [0, L); a cache with an MTP layer has one more, written by write_layer_cache
+    return {name: cache[name].at[:entries[name].shape[0], rows, positions].set(
+        entries[name].astype(cache[name].dtype), mode="drop") for name in cache}
 
 
 def write_layer_cache(cache: dict, entries: dict, positions: jnp.ndarray, layer: int) -> dict:
