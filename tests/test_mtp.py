@@ -1,0 +1,179 @@
+"""Multi-token prediction: the MTP module against Hugging Face's block (float32 torch) (loaded from an HF
+directory), greedy speculative decoding identical to plain decoding (1 and 4 devices, unequal
+prompts, budgets cut by max_seq_len), and the sampled distribution equal to the main model's."""
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import save_file
+
+import dsv3_jax
+from dsv3_jax.cache import cache_specs
+from dsv3_jax.config import ModelArgs
+from dsv3_jax.options import StepContext
+from dsv3_jax.rope import inverse_frequencies, rotary_angles
+from dsv3_jax.safetensors_io import CheckpointError
+from dsv3_jax.sharding import partition_specs
+from hf_models import V3_TINY, hf_model, save
+
+
+def tiny_args(vocab: int = 8, **overrides) -> ModelArgs:
+    return ModelArgs.from_hf_config({**V3_TINY, "vocab_size": vocab, "num_nextn_predict_layers": 1, **overrides})
+
+
+# ------------------------------------------------------------------ the module against HF, loaded from HF
+@pytest.fixture(scope="module")
+def hf_mtp_dir(tmp_path_factory):
+    """An HF V3 directory with 4 layers and an MTP layer (layer 4: an HF decoder layer, plus random
+    enorm, hnorm, eh_proj, shared_head.norm and the embedding/head copies)."""
+    hf = hf_model("v3", seed=5, vocab_size=64, num_hidden_layers=5)
+    directory = save(hf, tmp_path_factory.mktemp("hf_mtp"))
+    config = json.loads((directory / "config.json").read_text())
+    config.update(num_hidden_layers=4, num_nextn_predict_layers=1)
+    (directory / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    dim = V3_TINY["hidden_size"]
+    extra = {"model.layers.4.enorm.weight": 0.5 + rng.random(dim), "model.layers.4.hnorm.weight": 0.5 + rng.random(dim),
+             "model.layers.4.shared_head.norm.weight": 0.5 + rng.random(dim),
+             "model.layers.4.eh_proj.weight": rng.standard_normal((dim, 2 * dim)) / np.sqrt(2 * dim),
+             "model.layers.4.embed_tokens.weight": hf.model.embed_tokens.weight.detach().numpy(),
+             "model.layers.4.shared_head.head.weight": hf.lm_head.weight.detach().numpy()}
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in extra.items()}, str(directory / "mtp.safetensors"))
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        meta = json.loads(index.read_text())
+        meta["weight_map"].update({k: "mtp.safetensors" for k in extra})
+        index.write_text(json.dumps(meta))
+    return hf, extra, directory
+
+
+def rms(x, w, eps=1e-6):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def hf_mtp_logits(hf, extra, tokens: np.ndarray) -> np.ndarray:
+    """REFERENCE.md §6 in float32 torch with HF's modules: logits of t_{i+2} for i in [0, S-2]."""
+    ids = torch.as_tensor(tokens, dtype=torch.long)
+    t = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in extra.items()}
+    with torch.no_grad():
+        mtp_layer, hf.model.layers = hf.model.layers[4], hf.model.layers[:4]  # the main model: 4 layers
+        try:
+            hidden = hf.model(ids, use_cache=False).last_hidden_state  # after the final norm: what the head sees
+        finally:
+            hf.model.layers.append(mtp_layer)
+        e = rms(hf.model.embed_tokens(ids[:, 1:]), t["model.layers.4.enorm.weight"])
+        h = rms(hidden[:, :-1], t["model.layers.4.hnorm.weight"])
+        x = torch.cat([e, h], -1) @ t["model.layers.4.eh_proj.weight"].T
+        positions = torch.arange(1, ids.shape[1])[None]
+        rotary = hf.model.rotary_emb(x, positions)
+        seq = x.shape[1]
+        mask = torch.full((seq, seq), float("-inf"), dtype=torch.float32).triu(1)[None, None]
+        out = hf.model.layers[4](x, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+        y = out[0] if isinstance(out, tuple) else out
+        return (rms(y, t["model.layers.4.shared_head.norm.weight"]) @ hf.lm_head.weight.T).numpy()
+
+
+def our_mtp_logits(model, tokens: np.ndarray) -> np.ndarray:
+    """The MTP module's logits through the cached inference path (prefill of the main model, then
+    the module over positions 1..S-1)."""
+    args, options = model.args, model.options
+    inv_freq = inverse_frequencies(args)
+
+    def ctx(positions, start=0):
+        cos, sin = rotary_angles(positions, inv_freq, args.rope_attention_factor)
+        return StepContext(positions, cos, sin, args.max_seq_len, options, args.scale_fmt, start)
+
+    def local(state, cache, tokens):
+        m = nnx.merge(model.graphdef, state)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
+        hidden, cache = m.hidden(tokens, ctx(positions), cache)
+        y, _ = m.mtp_hidden(tokens[:, 1:], hidden[:, :-1], ctx(positions[:, 1:], 1), cache)
+        return m.logits(y)
+
+    run = jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(partition_specs(model.state),
+                                                                   cache_specs(options.attn_impl), P()),
+                                out_specs=P(), check_vma=False))
+    return np.asarray(run(model.state, model.cache, jnp.asarray(tokens, jnp.int32)))
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_mtp_logits_equal_hf_statement(hf_mtp_dir, devices):
+    hf, extra, directory = hf_mtp_dir
+    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=64, mtp=True,
+                          num_devices=devices)
+    tokens = np.random.default_rng(1).integers(0, 64, (2, 12))
+    expected = hf_mtp_logits(hf, extra, tokens)
+    got = our_mtp_logits(model, tokens)
+    np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-4 * np.abs(expected).max())
+
+
+def test_without_mtp_nothing_is_read_and_a_missing_layer_is_one_line(hf_mtp_dir, tmp_path):
+    hf, _, directory = hf_mtp_dir
+    plain = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=1, max_seq_len=64)
+    assert not plain.has_mtp and "mtp" not in plain.state
+    with pytest.raises(ValueError, match="mtp=True"):
+        plain.generate([[1, 2]], 3, eos_id=-1, mtp=True)
+    bare = save(hf_model("v3", seed=5, vocab_size=64), tmp_path / "bare")
+    with pytest.raises(CheckpointError, match="no MTP layer"):
+        dsv3_jax.load(bare, compute_dtype="float32", max_batch_size=1, max_seq_len=64, mtp=True)
+
+
+# ------------------------------------------------------------------ greedy identity
+@pytest.fixture(scope="module", params=[1, 4], ids=["1dev", "4dev"])
+def spec_model(request):
+    return dsv3_jax.build(tiny_args().replace(max_batch_size=4, max_seq_len=48), mtp=True, compute_dtype="float32",
+                          seed=3, num_devices=request.param)
+
+
+def test_greedy_output_is_identical_with_mtp(spec_model):
+    rng = np.random.default_rng(0)
+    total = dict(drafts=0, accepted=0)
+    cases = [([3, 9, 17, 5], 30, -1),  # unequal prompts
+             ([40, 2, 44, 30], 20, -1),  # budgets cut by max_seq_len = 48: 8, 20, 4, 18 (and 2-token steps at the end)
+             ([7], 25, -1), ([47], 5, -1), ([20, 11], 30, 5)]  # batch 1, a prompt one short of max_seq_len, eos
+    for lengths, new, eos in cases:
+        prompts = [rng.integers(0, 8, n).tolist() for n in lengths]
+        plain = spec_model.generate(prompts, new, eos_id=eos, temperature=0.0)
+        stats = {}
+        fast = spec_model.generate(prompts, new, eos_id=eos, temperature=0.0, mtp=True, stats=stats)
+        assert fast == plain, (lengths, new)
+        total["drafts"] += stats["drafts"]
+        total["accepted"] += stats["accepted"]
+    assert 0 < total["accepted"] < total["drafts"]  # both branches ran
+
+
+# ------------------------------------------------------------------ sampling keeps the main model's distribution
+def test_sampled_tokens_follow_the_main_model(spec_model):
+    if spec_model.mesh.devices.size != 1:
+        pytest.skip("one device is enough for the statistics")
+    vocab, prompt, temperature = 8, [1, 5, 2], 1.0
+
+    def probs(tokens):
+        logits = np.asarray(spec_model.forward(np.array([tokens]))).astype(np.float64)[0] / temperature
+        p = np.exp(logits - logits.max())
+        return p / p.sum()
+
+    p1 = probs(prompt)
+    joint = np.array([[p1[a] * q for q in probs(prompt + [a])] for a in range(vocab)])  # (t1, t2)
+    third = np.zeros(vocab)
+    for a in range(vocab):
+        for b in range(vocab):
+            third += joint[a, b] * probs(prompt + [a, b])
+    counts, third_counts, runs = np.zeros((vocab, vocab)), np.zeros(vocab), 300
+    for seed in range(runs):
+        for row in spec_model.generate([prompt] * 4, 3, eos_id=-1, temperature=temperature, seed=seed, mtp=True):
+            counts[row[0], row[1]] += 1
+            third_counts[row[2]] += 1
+    n = counts.sum()
+    for observed, expected in ((counts.ravel(), joint.ravel() * n), (third_counts, third * n)):
+        keep = expected > 5
+        chi2 = (((observed[keep] - expected[keep]) ** 2) / expected[keep]).sum()
+        dof = keep.sum() - 1
+        assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)  # about a 5-sigma bound
+        assert observed[~keep].sum() <= max(20, 3 * expected[~keep].sum())
