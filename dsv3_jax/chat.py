@@ -15,6 +15,7 @@ and it shares each input with the others.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import sys
@@ -30,6 +31,7 @@ from .config import ConfigError
 from .generate import generate, warm_up
 from .options import add_flags, from_flags
 from .safetensors_io import CheckpointError
+from .speculative import generate_mtp, warm_up_mtp
 from .tokenizer import Tokenizer, TokenizerError
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "assets" / "tiny"
@@ -59,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "over all processes)")
     add_flags(parser)
     parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--mtp", action="store_true", help="speculative decoding with the checkpoint's "
+                        "multi-token-prediction layer (one draft token per step; same outputs when greedy)")
     parser.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--process-id", type=int, default=None)
@@ -169,7 +173,8 @@ def load_model(args: argparse.Namespace, batch: int):
     if tokenizer.eos_id is None:
         raise ChatError(f"the tokenizer in {path} names no eos_token")
     model = load(path, options=from_flags(args), num_devices=args.num_devices or jax.device_count(),
-                          max_batch_size=batch, max_seq_len=args.max_seq_len, config=args.config)
+                          max_batch_size=batch, max_seq_len=args.max_seq_len, config=args.config,
+                          mtp=getattr(args, "mtp", False))
     return model, tokenizer
 
 
@@ -184,7 +189,10 @@ def run_interactive(args: argparse.Namespace, console: Console) -> None:
     # one attention window for the whole session: every turn reuses one compiled decode step
     options = dict(top_k=args.top_k, top_p=args.top_p, window=args.max_seq_len)
     greeting = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}])
-    warm_up(model, [len(greeting)], args.max_new_tokens, **options)
+    if args.mtp:
+        warm_up_mtp(model, [len(greeting)], args.max_new_tokens, **options)
+    else:
+        warm_up(model, [len(greeting)], args.max_new_tokens, **options)
     messages: list[dict[str, str]] = []
     turn = 0
     while True:
@@ -205,11 +213,15 @@ def run_interactive(args: argparse.Namespace, console: Console) -> None:
             continue
         printer = StreamPrinter(tokenizer, console)
         start = time.perf_counter()
-        completion = generate(model, [prompt], args.max_new_tokens, tokenizer.eos_id, args.temperature,
-                              args.seed + turn, on_tokens=printer if console.leader else None, **options)[0]
+        stats: dict = {}
+        run = functools.partial(generate_mtp, stats=stats) if args.mtp else generate
+        completion = run(model, [prompt], args.max_new_tokens, tokenizer.eos_id, args.temperature,
+                         args.seed + turn, on_tokens=printer if console.leader else None, **options)[0]
         seconds = time.perf_counter() - start
         answer = printer.finish(completion)
-        console.write(f"[{len(completion)} tokens in {seconds:.2f} s, {len(completion) / seconds:.1f} tokens/s]\n")
+        accepted = f", MTP acceptance {stats['acceptance']:.0%}" if args.mtp else ""
+        console.write(f"[{len(completion)} tokens in {seconds:.2f} s, {len(completion) / seconds:.1f} tokens/s"
+                      f"{accepted}]\n")
         messages.append({"role": "assistant", "content": answer})
         turn += 1
 
@@ -240,9 +252,10 @@ def run_batch(args: argparse.Namespace, console: Console) -> None:
     for prompt, ids in zip(prompts, tokens):
         if len(ids) > args.max_seq_len:
             raise ChatError(f"prompt {prompt[:40]!r} has {len(ids)} tokens, more than --max-seq-len={args.max_seq_len}")
-    warm_up(model, [len(t) for t in tokens], args.max_new_tokens, top_k=args.top_k, top_p=args.top_p)
+    (warm_up_mtp if args.mtp else warm_up)(model, [len(t) for t in tokens], args.max_new_tokens, top_k=args.top_k,
+                                           top_p=args.top_p)
     completions = model.generate(tokens, args.max_new_tokens, tokenizer.eos_id, args.temperature, args.seed,
-                                 top_k=args.top_k, top_p=args.top_p)
+                                 top_k=args.top_k, top_p=args.top_p, mtp=args.mtp)
     for prompt, completion in zip(prompts, completions):
         console.write(f"Prompt: {prompt}\nCompletion: {tokenizer.decode(completion)}\n\n")
 
