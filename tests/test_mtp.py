@@ -1,5 +1,5 @@
-"""Multi-token prediction: the MTP module against Hugging Face's block (float32 torch) (loaded from an HF
-directory), greedy speculative decoding identical to plain decoding (1 and 4 devices, unequal
+"""Multi-token prediction: the MTP module against Hugging Face's block (float32 torch) and against an
+independent float64 numpy statement of REFERENCE.md §6 (both loaded from an HF directory), greedy speculative decoding identical to plain decoding (1 and 4 devices, unequal
 prompts, budgets cut by max_seq_len), and the sampled distribution equal to the main model's."""
 import json
 from pathlib import Path
@@ -122,6 +122,119 @@ def test_without_mtp_nothing_is_read_and_a_missing_layer_is_one_line(hf_mtp_dir,
     bare = save(hf_model("v3", seed=5, vocab_size=64), tmp_path / "bare")
     with pytest.raises(CheckpointError, match="no MTP layer"):
         dsv3_jax.load(bare, compute_dtype="float32", max_batch_size=1, max_seq_len=64, mtp=True)
+
+
+# ------------------------------------------------------------------ the module against a float64 numpy statement
+def np_rms(x, w, eps=1e-6):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def yarn_m(factor, mscale):
+    return 0.1 * mscale * np.log(factor) + 1.0
+
+
+def rope_scaling(cfg: dict) -> dict:
+    return cfg.get("rope_scaling") or cfg["rope_parameters"]  # transformers >= 5 writes the latter
+
+
+def yarn_frequencies(cfg: dict) -> np.ndarray:
+    """REFERENCE.md §2 (YaRN), float64."""
+    rs = rope_scaling(cfg)
+    d, theta = cfg["qk_rope_head_dim"], cfg.get("rope_theta", rs.get("rope_theta"))
+    freqs = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    orig, factor = rs["original_max_position_embeddings"], rs["factor"]
+
+    def corr_dim(n):
+        return d * np.log(orig / (n * 2 * np.pi)) / (2 * np.log(theta))
+
+    low, high = max(np.floor(corr_dim(rs["beta_fast"])), 0), min(np.ceil(corr_dim(rs["beta_slow"])), d - 1)
+    high = high + 0.001 if low == high else high
+    smooth = 1 - np.clip((np.arange(d // 2) - low) / (high - low), 0, 1)
+    return freqs / factor * (1 - smooth) + freqs * smooth
+
+
+def np_rotate(x, angles, attention_factor):
+    """Adjacent pairs (x[2i], x[2i+1]) as one complex number, times attention_factor * e^{i angle}."""
+    z = (x[..., 0::2] + 1j * x[..., 1::2]) * attention_factor * np.exp(1j * angles)
+    return np.stack([z.real, z.imag], -1).reshape(x.shape)
+
+
+def np_mlp(T, p, x):
+    gate, up = x @ T[p + "gate_proj.weight"].T, x @ T[p + "up_proj.weight"].T
+    return (gate / (1 + np.exp(-gate)) * up) @ T[p + "down_proj.weight"].T
+
+
+def np_block(T, cfg, layer, x, positions):
+    """One decoder block (MLA, naive form; dense MLP or MoE), float64, causal over x's positions."""
+    from test_gate import reference_gate
+
+    p = f"model.layers.{layer}."
+    B, S, dim = x.shape
+    H, nope, rope, vd = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    rs = rope_scaling(cfg)
+    a = np_rms(x, T[p + "input_layernorm.weight"])
+    q = np_rms(a @ T[p + "self_attn.q_a_proj.weight"].T, T[p + "self_attn.q_a_layernorm.weight"])
+    q = (q @ T[p + "self_attn.q_b_proj.weight"].T).reshape(B, S, H, nope + rope)
+    kv = a @ T[p + "self_attn.kv_a_proj_with_mqa.weight"].T
+    c, k_pe = kv[..., :cfg["kv_lora_rank"]], kv[..., cfg["kv_lora_rank"]:]
+    kv = (np_rms(c, T[p + "self_attn.kv_a_layernorm.weight"]) @ T[p + "self_attn.kv_b_proj.weight"].T)
+    kv = kv.reshape(B, S, H, nope + vd)
+    angles = np.asarray(positions, np.float64)[:, None] * yarn_frequencies(cfg)  # (S, rope/2)
+    factor = yarn_m(rs["factor"], rs["mscale"]) / yarn_m(rs["factor"], rs["mscale_all_dim"])
+    q_pe = np_rotate(q[..., nope:], angles[None, :, None], factor)
+    k_pe = np_rotate(k_pe, angles[None], factor)
+    scale = (nope + rope) ** -0.5 * yarn_m(rs["factor"], rs["mscale_all_dim"]) ** 2
+    scores = (np.einsum("bshd,bthd->bsht", q[..., :nope], kv[..., :nope])
+              + np.einsum("bshd,btd->bsht", q_pe, k_pe)) * scale
+    scores = scores + np.where(np.triu(np.ones((S, S), bool), 1), -np.inf, 0.0)[None, :, None, :]
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    o = np.einsum("bsht,bthd->bshd", probs, kv[..., nope:]).reshape(B, S, H * vd)
+    h = x + o @ T[p + "self_attn.o_proj.weight"].T
+    f = np_rms(h, T[p + "post_attention_layernorm.weight"]).reshape(B * S, dim)
+    if layer < cfg["first_k_dense_replace"]:
+        y = np_mlp(T, p + "mlp.", f)
+    else:
+        weights, indices = reference_gate(f, T[p + "mlp.gate.weight"], T.get(p + "mlp.gate.e_score_correction_bias"),
+                                          cfg.get("scoring_func", "sigmoid"), cfg["n_group"], cfg["topk_group"],
+                                          cfg["num_experts_per_tok"], cfg["norm_topk_prob"],
+                                          cfg["routed_scaling_factor"])
+        y = np_mlp(T, p + "mlp.shared_experts.", f)
+        for t in range(len(f)):
+            for w, e in zip(weights[t], indices[t]):
+                y[t] += w * np_mlp(T, f"{p}mlp.experts.{e}.", f[t])
+    return h + y.reshape(B, S, dim)
+
+
+def numpy_mtp_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
+    """REFERENCE.md §6 in float64 numpy from the checkpoint's tensors: logits of t_{i+2}, i in [0, S-2]."""
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((directory / "config.json").read_text())
+    T = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        T.update({k: v.astype(np.float64) for k, v in load_file(str(f)).items()})
+    L, S = cfg["num_hidden_layers"], tokens.shape[1]
+    x = T["model.embed_tokens.weight"][tokens]
+    for layer in range(L):
+        x = np_block(T, cfg, layer, x, np.arange(S))
+    hidden = np_rms(x, T["model.norm.weight"], cfg["rms_norm_eps"])  # what the main head sees
+    p = f"model.layers.{L}."
+    e = np_rms(T["model.embed_tokens.weight"][tokens[:, 1:]], T[p + "enorm.weight"])
+    h = np_rms(hidden[:, :-1], T[p + "hnorm.weight"])
+    x = np.concatenate([e, h], -1) @ T[p + "eh_proj.weight"].T
+    y = np_block(T, cfg, L, x, np.arange(1, S))
+    return np_rms(y, T[p + "shared_head.norm.weight"]) @ T["lm_head.weight"].T
+
+
+def test_mtp_logits_equal_float64_numpy_statement(hf_mtp_dir):
+    _, _, directory = hf_mtp_dir
+    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=64, mtp=True)
+    tokens = np.random.default_rng(2).integers(0, 64, (2, 12))
+    expected = numpy_mtp_logits(directory, tokens)
+    got = our_mtp_logits(model, tokens)
+    # measured: 9e-7 of the largest logit (float32 compute, routing as in the reference)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
 # ------------------------------------------------------------------ greedy identity
