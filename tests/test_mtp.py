@@ -290,3 +290,30 @@ def test_sampled_tokens_follow_the_main_model(spec_model):
         dof = keep.sum() - 1
         assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)  # about a 5-sigma bound
         assert observed[~keep].sum() <= max(20, 3 * expected[~keep].sum())
+
+
+# ------------------------------------------------------------------ the MTP layer through the converters
+def assert_same_mtp_model(reference, other):
+    tokens = np.random.default_rng(3).integers(0, 64, (2, 12))
+    np.testing.assert_array_equal(our_mtp_logits(other, tokens), our_mtp_logits(reference, tokens))
+    prompts = [[5, 9, 33, 2], [17]]
+    stats = {}
+    expected = reference.generate(prompts, 12, eos_id=-1, temperature=0.0, mtp=True)
+    assert other.generate(prompts, 12, eos_id=-1, temperature=0.0, mtp=True, stats=stats) == expected
+    assert expected == reference.generate(prompts, 12, eos_id=-1, temperature=0.0)
+    assert stats["drafts"] > 0
+
+
+@pytest.fixture(scope="module")
+def hf_mtp_model(hf_mtp_dir):
+    return dsv3_jax.load(hf_mtp_dir[2], compute_dtype="float32", max_batch_size=2, max_seq_len=64, mtp=True)
+
+
+def test_orbax_conversion_keeps_the_mtp_layer(hf_mtp_dir, hf_mtp_model, tmp_path):
+    from dsv3_jax.convert.to_orbax import to_orbax
+
+    to_orbax(hf_mtp_dir[2], tmp_path / "orbax")
+    converted = dsv3_jax.load(tmp_path / "orbax", compute_dtype="float32", max_batch_size=2, max_seq_len=64,
+                              mtp=True)
+    assert converted.has_mtp
+    assert_same_mtp_model(hf_mtp_model, converted)
