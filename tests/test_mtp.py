@@ -317,3 +317,22 @@ def test_orbax_conversion_keeps_the_mtp_layer(hf_mtp_dir, hf_mtp_model, tmp_path
                               mtp=True)
     assert converted.has_mtp
     assert_same_mtp_model(hf_mtp_model, converted)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_model, tmp_path, ranks):
+    from dsv3_jax.convert.convert import main as convert_main
+
+    directory = hf_mtp_dir[2]
+    convert_main(["--hf-ckpt-path", str(directory), "--save-path", str(tmp_path / "plain"), "--n-experts", "8",
+                  "--model-parallel", str(ranks)])
+    convert_main(["--hf-ckpt-path", str(directory), "--save-path", str(tmp_path / "mtp"), "--n-experts", "8",
+                  "--model-parallel", str(ranks), "--keep-mtp"])
+    args = ModelArgs.from_file(directory / "config.json")
+    common = dict(config=args, compute_dtype="float32", max_batch_size=2, max_seq_len=64)
+    with pytest.raises(CheckpointError, match="no MTP layer"):  # the reference's layout: no MTP
+        dsv3_jax.load(tmp_path / "plain", mtp=True, **common)
+    converted = dsv3_jax.load(tmp_path / "mtp", mtp=True, num_devices=ranks, **common)
+    reference = hf_mtp_model if ranks == 1 else dsv3_jax.load(directory, mtp=True, num_devices=ranks, **{
+        k: v for k, v in common.items() if k != "config"})  # bitwise: the same device count
+    assert_same_mtp_model(reference, converted)
