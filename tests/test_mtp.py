@@ -262,7 +262,24 @@ def test_greedy_output_is_identical_with_mtp(spec_model):
 
 
 # ------------------------------------------------------------------ sampling keeps the main model's distribution
-def test_sampled_tokens_follow_the_main_model(spec_model):
+def filtered(p: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """float64 top-k then top-p (the smallest set of the most likely tokens whose mass reaches top_p), renormalised."""
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros(len(p), bool)
+    keep[order[:top_k or len(p)]] = True
+    p = np.where(keep, p, 0) / p[keep].sum()
+    ordered = p[order]
+    kept = order[(np.cumsum(ordered) - ordered) < top_p]
+    out = np.zeros_like(p)
+    out[kept] = p[kept]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 0.8)], ids=["unfiltered", "top_k_top_p"])
+def test_sampled_tokens_follow_the_main_model(spec_model, top_k, top_p):
+    """Draft q and target p are both the filtered distributions; min(1, p/q) acceptance with the
+    normalize(max(p - q, 0)) residual is exact for any pair, so the output is the main model's
+    filtered distribution."""
     if spec_model.mesh.devices.size != 1:
         pytest.skip("one device is enough for the statistics")
     vocab, prompt, temperature = 8, [1, 5, 2], 1.0
@@ -270,7 +287,7 @@ def test_sampled_tokens_follow_the_main_model(spec_model):
     def probs(tokens):
         logits = np.asarray(spec_model.forward(np.array([tokens]))).astype(np.float64)[0] / temperature
         p = np.exp(logits - logits.max())
-        return p / p.sum()
+        return filtered(p / p.sum(), top_k, top_p)
 
     p1 = probs(prompt)
     joint = np.array([[p1[a] * q for q in probs(prompt + [a])] for a in range(vocab)])  # (t1, t2)
@@ -280,7 +297,8 @@ def test_sampled_tokens_follow_the_main_model(spec_model):
             third += joint[a, b] * probs(prompt + [a, b])
     counts, third_counts, runs = np.zeros((vocab, vocab)), np.zeros(vocab), 300
     for seed in range(runs):
-        for row in spec_model.generate([prompt] * 4, 3, eos_id=-1, temperature=temperature, seed=seed, mtp=True):
+        for row in spec_model.generate([prompt] * 4, 3, eos_id=-1, temperature=temperature, seed=seed, mtp=True,
+                                      top_k=top_k, top_p=top_p):
             counts[row[0], row[1]] += 1
             third_counts[row[2]] += 1
     n = counts.sum()
@@ -290,6 +308,9 @@ def test_sampled_tokens_follow_the_main_model(spec_model):
         dof = keep.sum() - 1
         assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)  # about a 5-sigma bound
         assert observed[~keep].sum() <= max(20, 3 * expected[~keep].sum())
+        assert observed[expected == 0].sum() == 0  # filtered-out tokens never appear
+    if top_k:
+        assert (joint == 0).any()
 
 
 # ------------------------------------------------------------------ the MTP layer through the converters
