@@ -96,8 +96,8 @@ def test_bad_invocations_fail_in_one_line(tmp_path):
 @pytest.mark.parametrize("name, flags", [
     ("dsv3-chat", ("--ckpt-path", "--config", "--input-file", "--interactive", "--max-new-tokens", "--temperature",
                    "--num-devices", "--compute-dtype", "--gemm-impl", "--attn-impl", "--moe-impl", "--decode-attn",
-                   "--unroll", "--max-seq-len", "--coordinator-address")),
-    ("dsv3-convert", ("--hf-ckpt-path", "--save-path", "--n-experts", "--model-parallel")),
+                   "--unroll", "--max-seq-len", "--mtp", "--coordinator-address")),
+    ("dsv3-convert", ("--hf-ckpt-path", "--save-path", "--n-experts", "--model-parallel", "--keep-mtp")),
     ("dsv3-to-orbax", ("--hf-ckpt-path", "--save-path")),
     ("dsv3-fp8-cast-bf16", ("--input-fp8-hf-path", "--output-bf16-hf-path")),
 ])

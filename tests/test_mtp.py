@@ -354,6 +354,13 @@ def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_mode
     with pytest.raises(CheckpointError, match="no MTP layer"):  # the reference's layout: no MTP
         dsv3_jax.load(tmp_path / "plain", mtp=True, **common)
     converted = dsv3_jax.load(tmp_path / "mtp", mtp=True, num_devices=ranks, **common)
+    if ranks == 1:
+        from dsv3_jax.convert.common import ToolError
+
+        bare = save(hf_model("v3", seed=5, vocab_size=64), tmp_path / "bare")
+        with pytest.raises(ToolError, match="holds no MTP layer"):
+            convert_main(["--hf-ckpt-path", str(bare), "--save-path", str(tmp_path / "x"), "--n-experts", "8",
+                          "--model-parallel", "1", "--keep-mtp"])
     reference = hf_mtp_model if ranks == 1 else dsv3_jax.load(directory, mtp=True, num_devices=ranks, **{
         k: v for k, v in common.items() if k != "config"})  # bitwise: the same device count
     assert_same_mtp_model(reference, converted)
