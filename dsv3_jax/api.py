@@ -22,10 +22,10 @@ from .generate import generate
 from .model import Transformer
 from .options import RunOptions, StepContext
 from .progress import progress_bar
-from .orbax_io import has_array, is_orbax_checkpoint, restore_state
+from .orbax_io import OrbaxMTPIndex, has_array, is_orbax_checkpoint, restore_state
 from .rope import inverse_frequencies, rotary_angles
 from .safetensors_io import CheckpointError, TensorIndex
-from .schema import hf_name, rank_files, with_gate_bias
+from .schema import MTP_STATE, hf_name, mtp_probe, rank_files, with_gate_bias
 from .sharding import check_divisible, make_mesh, named_shardings, partition_specs
 
 
@@ -62,8 +62,21 @@ class Model:
     def __init__(self, args: ModelArgs, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh,
                  options: RunOptions = RunOptions()):
         self.args, self.graphdef, self.state, self.mesh, self.options = args, graphdef, state, mesh, options
+        self.has_mtp = MTP_STATE in state
         self.step = make_step(graphdef, partition_specs(state), args, mesh, options)
-        self.cache = allocate_cache(args, options.attn_impl, mesh, options.jnp_dtype)
+        self.cache = allocate_cache(args, options.attn_impl, mesh, options.jnp_dtype, mtp=self.has_mtp)
+        self._mtp_steps = None
+
+    @property
+    def mtp_steps(self):
+        """The jitted MTP prefill and speculative step (`speculative.make_mtp_steps`), made on first use."""
+        if not self.has_mtp:
+            raise ValueError("this model has no MTP module: load it with mtp=True (or build(..., mtp=True))")
+        if self._mtp_steps is None:
+            from .speculative import make_mtp_steps
+            self._mtp_steps = make_mtp_steps(self.graphdef, partition_specs(self.state), self.args, self.mesh,
+                                             self.options)
+        return self._mtp_steps
 
     def forward(self, tokens, start_pos=0) -> jax.Array:
         """Logits (float32, (B, vocab)) of each row's last token, caching positions [start_pos, start_pos + S).
@@ -98,12 +111,20 @@ class Model:
         return logits
 
     def generate(self, prompt_tokens: list[list[int]], max_new_tokens: int, eos_id: int, temperature: float = 1.0,
-                 seed: int = 0, *, top_k: int = 0, top_p: float = 1.0, on_tokens=None) -> list[list[int]]:
+                 seed: int = 0, *, top_k: int = 0, top_p: float = 1.0, on_tokens=None, mtp: bool = False,
+                 stats: dict | None = None) -> list[list[int]]:
         """Complete each prompt (the reference's `generate`, rows advancing on their own positions).
 
         Completions stop before the first `eos_id` and after max_new_tokens; temperature 0 is greedy.
-        See `dsv3_jax.generate.generate` for the options.
+        See `dsv3_jax.generate.generate` for the options. mtp=True decodes speculatively with the
+        MTP module's drafts (same outputs when greedy, same distribution when sampling; see
+        `dsv3_jax.speculative`); `stats` (a dict) then receives the drafts' acceptance rate.
         """
+        if mtp:
+            from .speculative import generate_mtp
+            self.mtp_steps  # noqa: B018 (the clear error of a model without MTP)
+            return generate_mtp(self, prompt_tokens, max_new_tokens, eos_id, temperature, seed, top_k=top_k,
+                                top_p=top_p, on_tokens=on_tokens, stats=stats)
         return generate(self, prompt_tokens, max_new_tokens, eos_id, temperature, seed, top_k=top_k, top_p=top_p,
                         on_tokens=on_tokens)
 
@@ -124,7 +145,7 @@ def _mesh_for(args: ModelArgs, num_devices: int, mesh: Mesh | None) -> Mesh:
 
 def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh: Mesh | None = None,
          max_batch_size: int = 8, max_seq_len: int = 4096, config=None, dtype: str | None = None,
-         progress: bool | None = None, **choices) -> Model:
+         progress: bool | None = None, mtp: bool = False, **choices) -> Model:
     """Load a checkpoint directory onto `num_devices` devices (or `mesh`), each device reading its own shard.
 
     The directory holds a Hugging Face checkpoint (config.json + *.safetensors), the reference's
@@ -134,6 +155,8 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
     options / choices: the `RunOptions`, or any of its fields as keywords (compute_dtype="float32",
     attn_impl=..., gemm_impl=..., moe_impl=..., decode_attn=..., unroll=...).
     progress: a bar of the bytes and tensors read (process 0 only); None: when stderr is a terminal.
+    mtp: also load the multi-token-prediction module (layer num_hidden_layers), for
+    `generate(..., mtp=True)`; without it no MTP tensor is read.
     """
     options = _run_options(options, dtype, choices)
     path = Path(path)
@@ -153,38 +176,61 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
     mesh = _mesh_for(args, num_devices, mesh)
     if is_orbax_checkpoint(path):
         args = with_gate_bias(args, lambda name: has_array(path, ("moe_layers", "ffn", "gate", "bias")))
-        graphdef, abstract_state = _abstract(args, options)
+        graphdef, abstract_state = _abstract(args, options, mtp=mtp)
+        main, mtp_part = _split_mtp(abstract_state)
         # orbax restores the whole state in one call: the bar can only say when it is done
         with progress_bar(1, desc="restoring orbax state", unit="checkpoint", enabled=progress) as bar:
-            state = restore_state(path, abstract_state, args, mesh)
+            state = restore_state(path, main, args, mesh)
             bar.update(1)
+        if mtp:
+            index = OrbaxMTPIndex(path, args)
+            if hf_name(mtp_probe(args)) not in index:
+                raise CheckpointError(f"{path} holds no MTP layer (no {mtp_probe(args)!r} under 'mtp'): "
+                                      "load it without mtp=True")
+            state = _join(state, load_state(index, mtp_part, args, mesh, hf_name, progress=progress))
     else:
         if ranked:
             index, naming = ReferenceLayoutIndex(path, args.n_routed_experts, home_rank(mesh, len(ranked))), str
         else:
             index, naming = TensorIndex(path), hf_name
         args = with_gate_bias(args, lambda name: naming(name) in index)
-        graphdef, abstract_state = _abstract(args, options)
+        if mtp and naming(mtp_probe(args)) not in index:
+            raise CheckpointError(f"{path} holds no MTP layer (no tensor {naming(mtp_probe(args))!r}): "
+                                  "load it without mtp=True")
+        graphdef, abstract_state = _abstract(args, options, mtp=mtp)
         state = load_state(index, abstract_state, args, mesh, naming, progress=progress)
     return Model(args, graphdef, state, mesh, options)
 
 
-def _abstract(args: ModelArgs, options: RunOptions, seed: int | None = None):
+def _abstract(args: ModelArgs, options: RunOptions, seed: int | None = None, mtp: bool = False):
     """(graphdef, abstract state) of the model: shapes only, no memory."""
     return nnx.split(nnx.eval_shape(
-        lambda: Transformer(args, param_dtype=options.jnp_dtype, rngs=None if seed is None else nnx.Rngs(seed))))
+        lambda: Transformer(args, param_dtype=options.jnp_dtype, rngs=None if seed is None else nnx.Rngs(seed),
+                            mtp=mtp)))
+
+
+def _split_mtp(state: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(the main model's part of a state, the MTP module's part, under "mtp")."""
+    flat = list(nnx.to_flat_state(state))
+    main = [(p, v) for p, v in flat if str(p[0]) != MTP_STATE]
+    return nnx.from_flat_state(main), nnx.from_flat_state([(p, v) for p, v in flat if str(p[0]) == MTP_STATE])
+
+
+def _join(*states: nnx.State) -> nnx.State:
+    return nnx.from_flat_state([item for state in states for item in nnx.to_flat_state(state)])
 
 
 def build(args: ModelArgs, *, seed: int = 0, options: RunOptions | None = None, num_devices: int = 1,
-          mesh: Mesh | None = None, dtype: str | None = None, **choices) -> Model:
+          mesh: Mesh | None = None, dtype: str | None = None, mtp: bool = False, **choices) -> Model:
     """A model with random weights generated directly on the mesh shards (benchmarks, demos);
-    `options` / `choices` as in `load`."""
+    `options` / `choices` as in `load`; mtp=True adds a random MTP module."""
     options = _run_options(options, dtype, choices)
     if args.gate_bias is None:
         args = args.replace(gate_bias=args.score_func == "sigmoid")
     mesh = _mesh_for(args, num_devices, mesh)
-    graphdef, abstract_state = _abstract(args, options, seed)
+    graphdef, abstract_state = _abstract(args, options, seed, mtp=mtp)
     shardings = named_shardings(mesh, partition_specs(abstract_state))
-    make = jax.jit(lambda: nnx.split(Transformer(args, param_dtype=options.jnp_dtype, rngs=nnx.Rngs(seed)))[1],
+    make = jax.jit(lambda: nnx.split(Transformer(args, param_dtype=options.jnp_dtype, rngs=nnx.Rngs(seed),
+                                                 mtp=mtp))[1],
                    out_shardings=shardings)
     return Model(args, graphdef, make(), mesh, options)

@@ -40,7 +40,16 @@ def write_cache(cache: dict, entries: dict, positions: jnp.ndarray) -> dict:
     cache makes XLA copy the whole cache at every layer."""
     batch, seq = positions.shape
     rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
-    return {name: cache[name].at[:, rows, positions].set(entries[name].astype(cache[name].dtype), mode="drop")
+    # entries cover layers [0, L); a cache with an MTP layer has one more, written by write_layer_cache
+    return {name: cache[name].at[:entries[name].shape[0], rows, positions].set(
+        entries[name].astype(cache[name].dtype), mode="drop") for name in cache}
+
+
+def write_layer_cache(cache: dict, entries: dict, positions: jnp.ndarray, layer: int) -> dict:
+    """Store one layer's new entries (B, S, ...) at cache[layer, row, positions[row, s]]."""
+    batch, seq = positions.shape
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))
+    return {name: cache[name].at[layer, rows, positions].set(entries[name].astype(cache[name].dtype), mode="drop")
             for name in cache}
 
 
@@ -99,6 +108,8 @@ class MLA(nnx.Module):
         # full-sequence pass, e.g. training) the chunk's own tokens are the keys.
         key_pos = jnp.arange(ctx.kv_len)[None, None, None, :] if cache is not None else ctx.positions[:, None, None, :]
         visible = key_pos <= ctx.positions[:, :, None, None]  # (B, S, 1, T)
+        if ctx.kv_start:  # the MTP block's cache starts at position kv_start
+            visible = visible & (key_pos >= ctx.kv_start)
 
         if ctx.options.attn_impl == "naive":
             kv_full = self.wkv_b(latent, **gemm).reshape(batch, seq, heads, self.nope_dim + self.v_dim)
@@ -115,7 +126,7 @@ class MLA(nnx.Module):
             wkv_b = self.wkv_b.dequantized(x.dtype).reshape(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
             entries = dict(kv=latent, pe=k_pe)
             q_latent = _einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : self.nope_dim]).astype(x.dtype)
-            if ctx.options.decode_attn == "kernel" and seq == 1 and cache is not None:
+            if ctx.options.decode_attn == "kernel" and seq == 1 and cache is not None and not ctx.kv_start:
                 # read in place: cache positions < p are the row's older tokens, plus its new entry
                 out_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], cache["kv"], cache["pe"], layer,
                                         ctx.positions[:, 0], latent[:, 0], k_pe[:, 0], scale=self.softmax_scale,

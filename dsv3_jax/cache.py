@@ -21,8 +21,9 @@ def cache_window(end: int, max_seq_len: int) -> int:
     return min(max_seq_len, max(64, 1 << max(0, end - 1).bit_length()))
 
 
-def cache_shapes(args: ModelArgs, attn_impl: str, batch: int, length: int) -> dict[str, tuple[int, ...]]:
-    layers = args.n_layers
+def cache_shapes(args: ModelArgs, attn_impl: str, batch: int, length: int,
+                 mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    layers = args.n_layers + int(mtp)  # the MTP block's cache is layer n_layers
     if attn_impl == "naive":
         return {"k": (layers, batch, length, args.n_heads, args.qk_head_dim),
                 "v": (layers, batch, length, args.n_heads, args.v_head_dim)}
@@ -36,9 +37,10 @@ def cache_specs(attn_impl: str) -> dict[str, P]:
 
 
 def allocate_cache(args: ModelArgs, attn_impl: str, mesh: Mesh, dtype, batch: int | None = None,
-                   length: int | None = None) -> dict[str, jax.Array]:
-    """A zeroed cache for (batch, length), default (max_batch_size, max_seq_len), placed on the mesh."""
-    shapes = cache_shapes(args, attn_impl, batch or args.max_batch_size, length or args.max_seq_len)
+                   length: int | None = None, mtp: bool = False) -> dict[str, jax.Array]:
+    """A zeroed cache for (batch, length), default (max_batch_size, max_seq_len), placed on the mesh;
+    with `mtp`, one more layer (index n_layers) for the MTP block."""
+    shapes = cache_shapes(args, attn_impl, batch or args.max_batch_size, length or args.max_seq_len, mtp)
     specs = cache_specs(attn_impl)
     shardings = {name: NamedSharding(mesh, specs[name]) for name in shapes}
     make = jax.jit(lambda: {name: jnp.zeros(shape, dtype) for name, shape in shapes.items()},

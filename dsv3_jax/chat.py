@@ -35,6 +35,7 @@ from .api import load
 from .cli import ArgumentParser, run_cli
 from .generate import Plan, Timing, generate, warm_up
 from .options import add_flags, from_flags
+from .speculative import generate_mtp, warm_up_mtp
 from .tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -81,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flags(parser)
     parser.add_argument("--max-seq-len", type=int, default=4096,
                         help="tokens of a conversation (prompt + answer) the cache holds")
+    parser.add_argument("--mtp", action="store_true", help="speculative decoding with the checkpoint's "
+                        "multi-token-prediction layer (one draft token per step; same outputs when greedy)")
     parser.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
     parser.add_argument("--num-processes", type=int, default=None, help="processes of a multi-process run")
     parser.add_argument("--process-id", type=int, default=None, help="this process's index in [0, --num-processes)")
@@ -254,7 +257,8 @@ def load_model(args: argparse.Namespace, batch: int):
     if tokenizer.eos_id is None:
         raise ChatError(f"the tokenizer in {path} names no eos_token")
     model = load(path, options=from_flags(args), num_devices=args.num_devices or jax.device_count(),
-                          max_batch_size=batch, max_seq_len=args.max_seq_len, config=args.config)
+                          max_batch_size=batch, max_seq_len=args.max_seq_len, config=args.config,
+                          mtp=args.mtp)
     if args.top_k > model.args.vocab_size:
         raise ChatError(f"--top-k {args.top_k} exceeds the model's vocabulary of {model.args.vocab_size} tokens")
     return model, tokenizer
@@ -276,7 +280,7 @@ def run_interactive(args: argparse.Namespace, console: Console) -> None:
         """Compile the prefill of a new prompt-length bucket before the turn is timed."""
         bucket = Plan.make([len(prompt)], args.max_new_tokens, args.max_seq_len, window=args.max_seq_len).bucket
         if bucket not in compiled_buckets:
-            warm_up(model, [len(prompt)], args.max_new_tokens, **options)
+            warm_up_for(args)(model, [len(prompt)], args.max_new_tokens, **options)
             compiled_buckets.add(bucket)
 
     compile_for(prompt_ids(tokenizer, "Hello!"))
@@ -303,9 +307,9 @@ def run_interactive(args: argparse.Namespace, console: Console) -> None:
             continue
         compile_for(prompt)
         printer, timing = StreamPrinter(tokenizer, console), Timing()
-        completion = generate(model, [prompt], args.max_new_tokens, tokenizer.eos_id, args.temperature,
-                              args.seed + turn, on_tokens=printer if console.leader else None, timing=timing,
-                              **options)[0]
+        completion = generate_for(args)(model, [prompt], args.max_new_tokens, tokenizer.eos_id, args.temperature,
+                                        args.seed + turn, on_tokens=printer if console.leader else None,
+                                        timing=timing, **options)[0]
         answer = printer.finish(completion)
         console.write(f"{timing}\n")
         note_cut(console, args, "the answer", prompt, completion)
@@ -342,14 +346,24 @@ def run_batch(args: argparse.Namespace, console: Console) -> None:
         if len(ids) >= args.max_seq_len:
             raise ChatError(f"prompt {number} ({prompt[:40]!r}) has {len(ids)} tokens and leaves no room for a "
                             f"completion within --max-seq-len={args.max_seq_len}")
-    warm_up(model, [len(t) for t in tokens], args.max_new_tokens, top_k=args.top_k, top_p=args.top_p)
+    warm_up_for(args)(model, [len(t) for t in tokens], args.max_new_tokens, top_k=args.top_k, top_p=args.top_p)
     timing = Timing()
-    completions = generate(model, tokens, args.max_new_tokens, tokenizer.eos_id, args.temperature, args.seed,
-                           top_k=args.top_k, top_p=args.top_p, timing=timing)
+    completions = generate_for(args)(model, tokens, args.max_new_tokens, tokenizer.eos_id, args.temperature,
+                                     args.seed, top_k=args.top_k, top_p=args.top_p, timing=timing)
     for number, (prompt, ids, completion) in enumerate(zip(prompts, tokens, completions), 1):
         console.write(f"Prompt: {prompt}\nCompletion: {tokenizer.decode(completion)}\n\n")
         note_cut(console, args, f"completion {number}", ids, completion)
     console.note(str(timing))
+
+
+def generate_for(args: argparse.Namespace):
+    """The generation loop the flags ask for: speculative with --mtp, plain otherwise."""
+    return generate_mtp if args.mtp else generate
+
+
+def warm_up_for(args: argparse.Namespace):
+    """The compile-ahead that goes with `generate_for(args)`."""
+    return warm_up_mtp if args.mtp else warm_up
 
 
 def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -374,13 +388,13 @@ def run_complete(args: argparse.Namespace, console: Console) -> None:
     if len(ids) >= args.max_seq_len:
         raise ChatError(f"the prompt has {len(ids)} tokens and leaves no room for a completion within "
                         f"--max-seq-len={args.max_seq_len}")
-    warm_up(model, [len(ids)], args.max_new_tokens, top_k=args.top_k, top_p=args.top_p)
+    warm_up_for(args)(model, [len(ids)], args.max_new_tokens, top_k=args.top_k, top_p=args.top_p)
     console.write(text)
     printer = StreamPrinter(tokenizer, console)
     timing = Timing()
-    completion = generate(model, [ids], args.max_new_tokens, tokenizer.eos_id, args.temperature, args.seed,
-                          top_k=args.top_k, top_p=args.top_p, on_tokens=printer if console.leader else None,
-                          timing=timing)[0]
+    completion = generate_for(args)(model, [ids], args.max_new_tokens, tokenizer.eos_id, args.temperature,
+                                    args.seed, top_k=args.top_k, top_p=args.top_p,
+                                    on_tokens=printer if console.leader else None, timing=timing)[0]
     printer.finish(completion)
     note_cut(console, args, "the completion", ids, completion)
     console.note(str(timing))

@@ -34,6 +34,14 @@ def sample(logits: jax.Array, temperature: jax.Array, key: jax.Array, *, top_k: 
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1)
+    sampled = draw(distribution(logits, temperature, top_k=top_k, top_p=top_p), key)
+    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+
+def distribution(logits: jax.Array, temperature: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """The distribution `sample` draws from when temperature > 0: softmax(logits / T) with the
+    top-k / top-p filters applied and renormalised (float32, the shape of `logits`)."""
+    logits = logits.astype(jnp.float32)
     scaled = logits / jnp.maximum(temperature, 1e-5)
     if top_k:
         kth = jax.lax.top_k(scaled, top_k)[0][..., -1:]
@@ -45,9 +53,14 @@ def sample(logits: jax.Array, temperature: jax.Array, key: jax.Array, *, top_k: 
         kept = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)
         smallest_kept = jnp.take_along_axis(ordered, kept - 1, axis=-1)
         probs = jnp.where(probs >= smallest_kept, probs, 0.0)
+    return probs
+
+
+def draw(probs: jax.Array, key: jax.Array) -> jax.Array:
+    """An exact draw from each row of (unnormalised, non-negative) `probs`: argmax(probs / E),
+    E ~ Exponential(1)."""
     noise = jax.random.exponential(key, probs.shape, jnp.float32)
-    sampled = jnp.argmax(probs / noise, axis=-1)
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+    return jnp.argmax(probs / noise, axis=-1).astype(jnp.int32)
 
 
 class DecodeState(NamedTuple):
@@ -142,14 +155,7 @@ def _check_prompts(model, prompt_tokens) -> list[list[int]]:
     return prompts
 
 
-def prefill(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, *, eos_id: int | None = None,
-            temperature: float = 1.0, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
-            window: int = 0) -> tuple[DecodeState, Plan]:
-    """Prefill `model`'s cache with the prompts and sample the first tokens: (state, plan) for `decode`.
-
-    window: a minimum attention window for the whole call (see `Plan.make`); a caller that passes
-    the same window every time (the chat passes max_seq_len) reuses one compiled decode step."""
-    prompts = _check_prompts(model, prompt_tokens)
+def _check_options(model, max_new_tokens, temperature, top_k, top_p, seed) -> None:
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
     if not temperature >= 0:
@@ -160,6 +166,17 @@ def prefill(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, 
         raise ValueError(f"top_p must lie in (0, 1] (1: off), got {top_p}")
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must lie in [0, 2**32), got {seed}")
+
+
+def prefill(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, *, eos_id: int | None = None,
+            temperature: float = 1.0, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+            window: int = 0) -> tuple[DecodeState, Plan]:
+    """Prefill `model`'s cache with the prompts and sample the first tokens: (state, plan) for `decode`.
+
+    window: a minimum attention window for the whole call (see `Plan.make`); a caller that passes
+    the same window every time (the chat passes max_seq_len) reuses one compiled decode step."""
+    prompts = _check_prompts(model, prompt_tokens)
+    _check_options(model, max_new_tokens, temperature, top_k, top_p, seed)
     plan = Plan.make([len(p) for p in prompts], max_new_tokens, model.args.max_seq_len, top_k=top_k,
                      top_p=float(top_p), window=window)
     tokens = np.zeros((len(prompts), plan.bucket), np.int32)
@@ -188,13 +205,15 @@ class Timing:
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    acceptance: float | None = None  # speculative decoding: the share of MTP drafts accepted
 
     def __str__(self) -> str:
         def rate(tokens, seconds):
             return f"{tokens / seconds:.1f} tok/s" if seconds > 0 else "- tok/s"
 
+        accepted = "" if self.acceptance is None else f" · MTP acceptance {self.acceptance:.0%}"
         return (f"[prefill {self.prefill_tokens} tokens {rate(self.prefill_tokens, self.prefill_seconds)} · "
-                f"decode {self.decode_tokens} tokens {rate(self.decode_tokens, self.decode_seconds)}]")
+                f"decode {self.decode_tokens} tokens {rate(self.decode_tokens, self.decode_seconds)}{accepted}]")
 
 
 def generate(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | None,

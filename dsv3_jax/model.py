@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import MLA, write_cache
+from .attention import MLA, write_cache, write_layer_cache
 from .config import ModelArgs
 from .layers import MODEL_AXIS, Linear, ParallelEmbedding, RMSNorm
 from .moe import MLP, MoE
@@ -70,7 +70,8 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict, first
 class Transformer(nnx.Module):
     """Embedding, the dense and MoE layer stacks, final norm and the vocabulary-parallel head."""
 
-    def __init__(self, args: ModelArgs, *, param_dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+    def __init__(self, args: ModelArgs, *, param_dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None,
+                 mtp: bool = False):
         self.embed = ParallelEmbedding(args.vocab_size, args.dim, param_dtype=param_dtype, rngs=rngs)
         common = dict(param_dtype=param_dtype, rngs=rngs)
         self.dense_layers = (Block(args, moe=False, stack=(args.n_dense_layers,), **common)
@@ -79,10 +80,16 @@ class Transformer(nnx.Module):
         self.n_dense_layers = args.n_dense_layers
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = Linear(args.dim, args.vocab_size, parallel="column", param_dtype=param_dtype, rngs=rngs)
+        if mtp:  # the multi-token-prediction module (layer n_layers of the checkpoint and of the cache)
+            from .mtp import MTP
+            self.mtp = MTP(args, param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.mtp = None
+        self.n_layers = args.n_layers
 
-    def __call__(self, tokens: jnp.ndarray, ctx: StepContext, cache: dict,
-                 last_index: jnp.ndarray) -> tuple[jnp.ndarray, dict]:
-        """tokens (B, S) -> float32 logits (B, vocab) at each row's `last_index`, and the updated cache."""
+    def hidden(self, tokens: jnp.ndarray, ctx: StepContext, cache: dict) -> tuple[jnp.ndarray, dict]:
+        """tokens (B, S) -> the final-normed hidden states (B, S, dim), what the head sees, and the
+        cache with this chunk's entries of every main layer stored."""
         with jax.named_scope("embed"):
             h = self.embed(tokens)
         entries = []
@@ -94,9 +101,32 @@ class Transformer(nnx.Module):
                 entries.append(new)
         with jax.named_scope("cache_write"):
             cache = write_cache(cache, jax.tree.map(lambda *e: jnp.concatenate(e), *entries), ctx.positions)
-        h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]
         with jax.named_scope("norm"):
             h = self.norm(h)
+        return h, cache
+
+    def logits(self, h: jnp.ndarray) -> jnp.ndarray:
+        """Normed hidden states (..., dim) -> float32 logits (..., vocab), gathered over ranks."""
         with jax.named_scope("head"):
             logits = self.head(h, out_dtype=jnp.float32)
-        return jax.lax.all_gather(logits, MODEL_AXIS, axis=1, tiled=True), cache
+        return jax.lax.all_gather(logits, MODEL_AXIS, axis=logits.ndim - 1, tiled=True)
+
+    def mtp_hidden(self, tokens: jnp.ndarray, hidden: jnp.ndarray, ctx: StepContext,
+                   cache: dict) -> tuple[jnp.ndarray, dict]:
+        """The MTP module at ctx.positions (those of `tokens`, the known next tokens t_{i+1}) on the
+        main model's normed hidden states H_i (B, S, dim): its normed output (B, S, dim), whose
+        logits (`self.logits`) predict t_{i+2}, and the cache with its entries stored at layer
+        n_layers. The MTP cache holds no position 0 (the module first runs at position 1):
+        `ctx.kv_start` must be 1."""
+        with jax.named_scope("mtp"):
+            x = self.mtp.inputs(self.embed(tokens), hidden, ctx)
+            y, entries = self.mtp.block(x, ctx, cache, self.n_layers)
+            cache = write_layer_cache(cache, entries, ctx.positions, self.n_layers)
+            return self.mtp.shared_head.norm(y), cache
+
+    def __call__(self, tokens: jnp.ndarray, ctx: StepContext, cache: dict,
+                 last_index: jnp.ndarray) -> tuple[jnp.ndarray, dict]:
+        """tokens (B, S) -> float32 logits (B, vocab) at each row's `last_index`, and the updated cache."""
+        h, cache = self.hidden(tokens, ctx, cache)
+        h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]
+        return self.logits(h), cache

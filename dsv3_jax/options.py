@@ -110,6 +110,7 @@ class StepContext:
     kv_len: int  # attention reads cache positions [0, kv_len)
     options: RunOptions = RunOptions()
     scale_fmt: str | None = None  # ModelArgs.scale_fmt: None or "ue8m0"
+    kv_start: int = 0  # attention reads cache positions [kv_start, kv_len) (the MTP block: 1)
 
     @property
     def gemm(self) -> dict:

@@ -194,3 +194,55 @@ def restore_state(directory: str | Path, abstract_state: nnx.State, args: ModelA
             node = node[part]
         filled.append((path, variable.replace(node)))
     return nnx.from_flat_state(filled)
+
+
+class OrbaxMTPIndex:
+    """The MTP tensors of an orbax checkpoint (stored under "mtp" by their Hugging Face names, one
+    array per tensor) presented like a `TensorIndex`, for `checkpoint.load_state`. The arrays are
+    restored to the host on first use (the MTP layer only; the main model never passes through here)."""
+
+    def __init__(self, directory: str | Path, args: ModelArgs):
+        self.directory = Path(directory)
+        stored = stored_arrays(directory)
+        self._keys = {"model." + ".".join(key[1:]): key for key in stored if key[0] == MTP_KEY}
+        self._meta = {name: stored[key] for name, key in self._keys.items()}
+        self._arrays: dict[str, np.ndarray] | None = None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._keys
+
+    def names(self) -> list[str]:
+        return list(self._keys)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._meta[name][0]
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._meta[name][1]
+
+    def tensor(self, name: str) -> np.ndarray:
+        if self._arrays is None:
+            self._arrays = self._restore()
+        return self._arrays[name]
+
+    def _restore(self) -> dict[str, np.ndarray]:
+        import orbax.checkpoint as ocp  # slow to import: see _streamed_array_handler
+
+        item, restore_args = {}, {}
+        for key in self._keys.values():
+            node, args_node = item, restore_args
+            for part in key[:-1]:
+                node, args_node = node.setdefault(part, {}), args_node.setdefault(part, {})
+            node[key[-1]] = 0
+            args_node[key[-1]] = ocp.RestoreArgs(restore_type=np.ndarray)
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            restored = checkpointer.restore(self.directory.absolute() / STATE_DIR,
+                                            args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
+                                                                        partial_restore=True))
+        arrays = {}
+        for name, key in self._keys.items():
+            node = restored
+            for part in key:
+                node = node[part]
+            arrays[name] = np.asarray(node)
+        return arrays

@@ -42,6 +42,7 @@ HF_COMPONENTS = {
     "bias": "e_score_correction_bias",
 }
 STACKS = ("dense_layers", "moe_layers")
+MTP_STATE = "mtp"  # the state's subtree of the MTP module (Transformer(mtp=True))
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
@@ -61,6 +62,12 @@ def layer_number(name: str) -> int | None:
 def reference_names(path: tuple[str, ...], args: ModelArgs) -> Callable[..., str] | str:
     """The reference name of a state leaf: a string, or for stacked leaves a function of
     (the layer's index within its stack[, expert index])."""
+    if path[0] == MTP_STATE:  # the MTP module: layer n_layers, its block's modules at the layer's top level
+        rest = list(path[2:]) if path[1] == "block" else list(path[1:])
+        if rest[:2] == ["ffn", "experts"]:
+            tail = ".".join(rest[2:])
+            return lambda expert: f"layers.{args.n_layers}.ffn.experts.{expert}.{tail}"
+        return f"layers.{args.n_layers}." + ".".join(rest)
     if path[0] not in STACKS:
         return ".".join(path)
     first = 0 if path[0] == "dense_layers" else args.n_dense_layers
@@ -74,15 +81,23 @@ def reference_names(path: tuple[str, ...], args: ModelArgs) -> Callable[..., str
 
 def stacked_axes(path: tuple[str, ...]) -> int:
     """How many leading axes of a leaf index layers (and experts)."""
+    if path[0] == MTP_STATE:
+        return 1 if path[1:4] == ("block", "ffn", "experts") else 0
     if path[0] not in STACKS:
         return 0
     return 2 if path[1:3] == ("ffn", "experts") else 1
 
 
-def abstract_state(args: ModelArgs, param_dtype=None) -> nnx.State:
-    """The model's parameters as shapes only (no memory): the config's list of tensors and shapes."""
+def abstract_state(args: ModelArgs, param_dtype=None, mtp: bool = False) -> nnx.State:
+    """The model's parameters as shapes only (no memory): the config's list of tensors and shapes
+    (with `mtp`, the MTP module's too)."""
     dtype = {} if param_dtype is None else dict(param_dtype=param_dtype)
-    return nnx.split(nnx.eval_shape(lambda: Transformer(args, **dtype)))[1]
+    return nnx.split(nnx.eval_shape(lambda: Transformer(args, mtp=mtp, **dtype)))[1]
+
+
+def mtp_probe(args: ModelArgs) -> str:
+    """The reference name whose presence says a checkpoint holds the MTP module."""
+    return f"layers.{args.n_layers}.eh_proj.weight"
 
 
 def expected_tensors(state: nnx.State, args: ModelArgs) -> Iterator[tuple[tuple, str, tuple[int, ...]]]:

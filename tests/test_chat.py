@@ -129,8 +129,8 @@ def test_demo_assets_fit_and_are_documented():
 @pytest.mark.parametrize("name, flags", [
     ("dsv3-chat", ("--ckpt-path", "--tiny", "--config", "--input-file", "--interactive", "--complete", "--max-new-tokens", "--temperature",
                    "--num-devices", "--compute-dtype", "--gemm-impl", "--attn-impl", "--moe-impl", "--decode-attn",
-                   "--unroll", "--max-seq-len", "--coordinator-address")),
-    ("dsv3-convert", ("--hf-ckpt-path", "--save-path", "--n-experts", "--model-parallel")),
+                   "--unroll", "--max-seq-len", "--mtp", "--coordinator-address")),
+    ("dsv3-convert", ("--hf-ckpt-path", "--save-path", "--n-experts", "--model-parallel", "--keep-mtp")),
     ("dsv3-to-orbax", ("--hf-ckpt-path", "--save-path")),
     ("dsv3-fp8-cast-bf16", ("--input-fp8-hf-path", "--output-bf16-hf-path")),
 ])
@@ -184,3 +184,39 @@ def test_embedded_assets_are_small_and_regenerate_deterministically(tmp_path):
     assert_same_assets(TINY, tmp_path / first)
     config = json.loads((TINY / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["n_routed_experts"] > 1 and config["q_lora_rank"] > 0
+
+
+def tiny_with_mtp(directory: Path) -> Path:
+    """The embedded model plus a random MTP layer (layer num_hidden_layers, float32 tensors)."""
+    import shutil
+
+    import jax.numpy as jnp
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from dsv3_jax.config import ModelArgs
+    from dsv3_jax.mtp import MTP, mtp_hf_tensors
+    from dsv3_jax.schema import hf_name, with_gate_bias
+
+    shutil.copytree(TINY, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config))
+    index = TensorIndex(TINY)
+    args = with_gate_bias(ModelArgs.from_file(directory / "config.json"), lambda name: hf_name(name) in index)
+    _, state = nnx.split(MTP(args, param_dtype=jnp.float32, rngs=nnx.Rngs(4)))
+    tensors = mtp_hf_tensors(state, args)
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}, str(directory / "mtp.safetensors"))
+    return directory
+
+
+def test_batch_mode_with_mtp_gives_the_greedy_completions(tmp_path):
+    checkpoint = tiny_with_mtp(tmp_path / "tiny_mtp")
+    prompts = ["What is 3 plus 4?", "Describe a red lamp.", "Hello, my name is Ada."]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    flags = ("--ckpt-path", str(checkpoint), "--input-file", str(tmp_path / "prompts.txt"), "--num-devices", "1",
+             "--max-new-tokens", "24", "--temperature", "0", "--max-seq-len", "256")
+    plain, fast = run_chat(*flags), run_chat(*flags, "--mtp")
+    assert plain.returncode == 0, plain.stderr
+    assert fast.returncode == 0, fast.stderr
+    assert fast.stdout == plain.stdout and plain.stdout.count("Completion: ") == 3

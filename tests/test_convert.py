@@ -69,8 +69,9 @@ def write_sharded(tensors: dict[str, np.ndarray], directory: Path, files: int) -
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
 
 
-def mtp_tensors(tensors: dict[str, np.ndarray], n_layers: int) -> dict[str, np.ndarray]:
-    """A multi-token-prediction layer `model.layers.{n_layers}`: a copy of the last layer plus its own parts."""
+def mtp_tensors(tensors: dict[str, np.ndarray], n_layers: int, fp8: bool = False) -> dict[str, np.ndarray]:
+    """A multi-token-prediction layer `model.layers.{n_layers}`: a copy of the last layer plus its own parts
+    (eh_proj fp8 + scale in an fp8 checkpoint, as in V3's)."""
     last = f"model.layers.{n_layers - 1}."
     mtp = {name.replace(last, f"model.layers.{n_layers}."): array.copy()
            for name, array in tensors.items() if name.startswith(last)}
@@ -81,6 +82,9 @@ def mtp_tensors(tensors: dict[str, np.ndarray], n_layers: int) -> dict[str, np.n
     mtp[prefix + "enorm.weight"] = np.ones(dim, embed.dtype)
     mtp[prefix + "hnorm.weight"] = np.ones(dim, embed.dtype)
     mtp[prefix + "eh_proj.weight"] = np.full((dim, 2 * dim), 0.01, embed.dtype)
+    if fp8:
+        mtp[prefix + "eh_proj.weight"], mtp[prefix + "eh_proj.weight_scale_inv"] = quantize_block_wise(
+            np.full((dim, 2 * dim), 0.01, np.float32))
     mtp[prefix + "shared_head.norm.weight"] = np.ones(dim, embed.dtype)
     mtp[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].copy()
     return mtp
@@ -107,7 +111,7 @@ def make_source(directory: Path, family: str, *, fp8: bool, files: int = 4, **ov
         else:
             tensors[name] = array.astype(BF16)
     config = json.loads((directory / "config.json").read_text())
-    tensors.update(mtp_tensors(tensors, config["num_hidden_layers"]))
+    tensors.update(mtp_tensors(tensors, config["num_hidden_layers"], fp8))
     for stale in directory.glob("model*.safetensors*"):
         stale.unlink()
     write_sharded(tensors, directory, files)
@@ -536,3 +540,23 @@ def test_existing_output_is_not_overwritten(bf16_source, tmp_path):
     with pytest.raises(ValueError, match="already exists and is not empty"):
         convert(bf16_source, out, 8, 2)
     assert (out / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("source", ["bf16_source", "fp8_source"])
+def test_keep_mtp_loads_like_hf(source, tmp_path, request):
+    """--keep-mtp: the per-rank files carry the MTP module; greedy speculative output as from HF."""
+    source = request.getfixturevalue(source)
+    out = tmp_path / "mp2"
+    run_main("convert", "--hf-ckpt-path", source, "--save-path", out, "--n-experts", 8, "--model-parallel", 2,
+             "--keep-mtp")
+    config = reference_json(source, tmp_path / "config.json")
+    names = SafetensorsFile(out / "model0-mp2.safetensors").keys()
+    mtp = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    assert f"layers.{mtp}.eh_proj.weight" in names
+    assert not any("shared_head.head" in n or f"layers.{mtp}.embed" in n for n in names)  # the copies stay out
+    prompts = [[int(t) for t in row] for row in TOKENS]
+    outputs = []
+    for path, extra in ((source, {}), (out, {"config": str(config)})):
+        model = dsv3_jax.load(path, compute_dtype="float32", num_devices=2, max_seq_len=64, mtp=True, **extra)
+        outputs.append(model.generate(prompts, 8, eos_id=-1, temperature=0.0, mtp=True))
+    assert outputs[0] == outputs[1]

@@ -4,7 +4,10 @@
 
 OUT receives `model{r}-mp{MP}.safetensors` for each rank r < MP and the tokenizer files. Names are
 the reference's (`model.` dropped, `self_attn`->`attn`, `q_b_proj`->`wq_b`, `weight_scale_inv`->
-`scale`, ...); the multi-token-prediction layer is skipped. Routed experts go whole to the rank
+`scale`, ...); the multi-token-prediction layer is skipped, as the reference does, unless
+--keep-mtp is given: then its module (enorm, hnorm, eh_proj, shared_head.norm and its block, under
+reference names at layer n_layers; not its copies of the embedding and head) goes into the files by
+the same rules, for `dsv3_jax.load(OUT, config=..., mtp=True)`. Routed experts go whole to the rank
 that owns them (experts [r*E/MP, (r+1)*E/MP)); embed, wq, wq_b, wkv_b, w1, w3 and head are cut
 into MP equal parts along dim 0, wo and w2 along dim 1, the fp8 block scales of a cut weight
 along the same dimension in whole 128-blocks; everything else is copied to every rank.
@@ -22,7 +25,8 @@ from pathlib import Path
 from ..cli import ArgumentParser
 from ..config import ModelArgs
 from ..safetensors_io import SafetensorsWriter
-from ..schema import rank_file_name, routed_expert, split_dim
+from ..schema import (MTP_STATE, abstract_state, expected_tensors, hf_name, rank_file_name, routed_expert,
+                      split_dim)
 from ..sharding import check_divisible
 from .common import (ToolError, check_output_path, check_source, copy_tokenizer_files, in_file_order,
                      load_hf_config, progress, read_tensor, run_tool, staging_directory)
@@ -58,13 +62,35 @@ def part_shape(shape: tuple[int, ...], window: tuple) -> tuple[int, ...]:
     return tuple(out)
 
 
-def convert(hf_ckpt_path: Path, save_path: Path, n_experts: int, world: int) -> None:
+def mtp_tensors(source) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF name -> (reference name, shape) of the MTP module's tensors the model runs (layer n_layers)."""
+    args, index = source.args, source.index
+    if args.n_mtp_layers < 1 or hf_name(f"layers.{args.n_layers}.eh_proj.weight") not in index:
+        raise ToolError(f"--keep-mtp: {index.directory} holds no MTP layer (layer {args.n_layers})")
+    found = {}
+    for path, ref, shape in expected_tensors(abstract_state(args, mtp=True), args):
+        if path[0] != MTP_STATE:
+            continue
+        hf = hf_name(ref)
+        if hf not in index:
+            raise ToolError(f"--keep-mtp: missing MTP tensor {hf!r} in {index.directory}")
+        if tuple(index.shape(hf)) != tuple(shape):
+            raise ToolError(f"--keep-mtp: MTP tensor {hf!r} has shape {tuple(index.shape(hf))}, "
+                            f"the config implies {tuple(shape)}")
+        found[hf] = (ref, tuple(shape))
+    return found
+
+
+def convert(hf_ckpt_path: Path, save_path: Path, n_experts: int, world: int, keep_mtp: bool = False) -> None:
     check_output_path(save_path)
     _, args = load_hf_config(hf_ckpt_path)
     source = check_source(hf_ckpt_path, args)
     check_model_parallel(source.args, n_experts, world)
     index = source.index
     reference_of = {hf: ref for ref, hf in source.model.items()}
+    if keep_mtp:
+        for hf, (ref, shape) in mtp_tensors(source).items():
+            reference_of[hf], source.shapes[ref] = ref, shape
 
     plan = []  # (HF name, reference name, [(rank, window)]) in the order the files are read
     layouts: list[list] = [[] for _ in range(world)]
@@ -94,8 +120,10 @@ def main(argv=None) -> None:
     parser.add_argument("--save-path", type=Path, required=True, help="output directory (must not exist, or be empty)")
     parser.add_argument("--n-experts", type=int, required=True, help="routed experts (must match the config)")
     parser.add_argument("--model-parallel", type=int, required=True, help="ranks to split over (MP)")
+    parser.add_argument("--keep-mtp", action="store_true",
+                        help="keep the multi-token-prediction layer (the reference skips it)")
     opts = parser.parse_args(argv)
-    convert(opts.hf_ckpt_path, opts.save_path, opts.n_experts, opts.model_parallel)
+    convert(opts.hf_ckpt_path, opts.save_path, opts.n_experts, opts.model_parallel, opts.keep_mtp)
 
 
 def cli() -> int:

@@ -1,0 +1,134 @@
+"""Benchmark MTP speculative decoding (issue 16).
+
+Part 1 (always): the V3 shape cut to --layers layers plus its MTP layer, fp8, random weights made
+on the device(s). At b=1 and b=8 it times, after a prefill to --context tokens:
+  plain   one decode step of 1 token per row (`Model.step`, S=1)
+  verify  one main-model step of 2 tokens per row (`Model.step`, S=2)
+  spec    the fused speculative step (verify 2 tokens + accept + MTP draft), what generate(mtp=True) runs
+and prints spec / plain (target: <= 1.2 at b=1).
+
+Part 2 (with --demo DIR --prompts FILE): a trained checkpoint with an MTP layer (dsv3_jax/assets/demo),
+greedy tokens/s with and without MTP on held-out prompts (one per line), and the acceptance rate.
+
+    python scripts/bench_mtp.py --config configs/config_671B.json --layers 4 --gemm-impl fp8
+    python scripts/bench_mtp.py --demo dsv3_jax/assets/demo --prompts held_out.txt --skip-shape
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dsv3_jax
+from dsv3_jax.cache import cache_window
+from dsv3_jax.config import ModelArgs
+from dsv3_jax.generate import Plan
+from dsv3_jax.options import add_flags, from_flags
+from dsv3_jax.speculative import mtp_prefill
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of fn() (which returns something to block on), after two warm-up calls."""
+    for _ in range(2):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def bench_shape(cli) -> None:
+    args = ModelArgs.from_file(cli.config)
+    dense = min(args.n_dense_layers, cli.layers - 1) if args.n_routed_experts else cli.layers
+    args = args.replace(n_layers=cli.layers, n_dense_layers=dense, n_mtp_layers=1, max_batch_size=max(cli.batches),
+                        max_seq_len=cli.max_seq_len)
+    if cli.gemm_impl == "fp8" or cli.fp8:
+        args = args.replace(dtype="fp8")
+    model = dsv3_jax.build(args, mtp=True, options=from_flags(cli), num_devices=cli.num_devices or jax.device_count())
+    print(f"{cli.config} cut to {cli.layers} layers ({dense} dense) + MTP, dtype {args.dtype}, "
+          f"{model.mesh.devices.size} device(s), context {cli.context}")
+    for batch in cli.batches:
+        kv_len = cache_window(cli.context + 4, args.max_seq_len)
+        prompts = [[1] * cli.context] * batch
+        state, plan = mtp_prefill(model, prompts, 8, temperature=0.0, window=kv_len)
+        _, spec_step = model.mtp_steps
+        start = jnp.full((batch,), cli.context, jnp.int32)
+        one, two = jnp.ones((batch, 1), jnp.int32), jnp.ones((batch, 2), jnp.int32)
+
+        def plain():
+            logits, model.cache = model.step(model.state, model.cache, one, start, jnp.zeros((batch,), jnp.int32),
+                                             kv_len=plan.kv_len)
+            return logits
+
+        def verify():
+            logits, model.cache = model.step(model.state, model.cache, two, start, jnp.ones((batch,), jnp.int32),
+                                             kv_len=plan.kv_len)
+            return logits
+
+        def spec():
+            # the same state every time: the row positions stay put, the cost is that of one step
+            new, model.cache = spec_step(model.state, model.cache, state, kv_len=plan.kv_len, top_k=0, top_p=1.0)
+            return new.out
+
+        t_plain, t_verify, t_spec = (timed(f, cli.repeats) for f in (plain, verify, spec))
+        print(f"b={batch}: plain {t_plain * 1e3:.3f} ms, verify(2) {t_verify * 1e3:.3f} ms "
+              f"({t_verify / t_plain:.2f}x), verify+draft {t_spec * 1e3:.3f} ms ({t_spec / t_plain:.2f}x; "
+              f"target <= 1.2x at b=1)")
+
+
+def bench_demo(cli) -> None:
+    from dsv3_jax.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(cli.demo)
+    prompts = [line for line in Path(cli.prompts).read_text().splitlines() if line.strip()]
+    batch = min(len(prompts), cli.demo_batch)
+    model = dsv3_jax.load(cli.demo, mtp=True, max_batch_size=batch, max_seq_len=cli.max_seq_len,
+                          options=from_flags(cli), num_devices=cli.num_devices or jax.device_count())
+    ids = [tokenizer.encode(p)[-cli.max_seq_len // 2:] for p in prompts]
+    for mtp in (False, True):
+        tokens = seconds = drafts = accepted = 0
+        model.generate(ids[:batch], cli.new_tokens, -1, 0.0, mtp=mtp)  # compile
+        for first in range(0, len(ids), batch):
+            group = ids[first:first + batch]
+            stats = {}
+            start = time.perf_counter()
+            out = model.generate(group, cli.new_tokens, -1, 0.0, mtp=mtp, stats=stats)
+            seconds += time.perf_counter() - start
+            tokens += sum(len(o) for o in out)
+            drafts += stats.get("drafts", 0)
+            accepted += stats.get("accepted", 0)
+        extra = f", acceptance {accepted / max(drafts, 1):.3f}" if mtp else ""
+        print(f"demo b<={batch} {'MTP ' if mtp else 'plain'}: {tokens / seconds:.1f} tokens/s{extra}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=Path("configs/config_671B.json"))
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--fp8", action="store_true", help="fp8 weights even with --gemm-impl bf16")
+    parser.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--num-devices", type=int, default=None)
+    parser.add_argument("--skip-shape", action="store_true")
+    parser.add_argument("--demo", type=Path, default=None)
+    parser.add_argument("--prompts", type=Path, default=None)
+    parser.add_argument("--demo-batch", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    add_flags(parser)
+    cli = parser.parse_args()
+    if not cli.skip_shape:
+        bench_shape(cli)
+    if cli.demo is not None:
+        bench_demo(cli)
+
+
+if __name__ == "__main__":
+    main()

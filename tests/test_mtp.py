@@ -1,0 +1,366 @@
+"""Multi-token prediction: the MTP module against Hugging Face's block (float32 torch) and against an
+independent float64 numpy statement of REFERENCE.md §6 (both loaded from an HF directory), greedy speculative decoding identical to plain decoding (1 and 4 devices, unequal
+prompts, budgets cut by max_seq_len), and the sampled distribution equal to the main model's."""
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import save_file
+
+import dsv3_jax
+from dsv3_jax.cache import cache_specs
+from dsv3_jax.config import ModelArgs
+from dsv3_jax.options import StepContext
+from dsv3_jax.rope import inverse_frequencies, rotary_angles
+from dsv3_jax.safetensors_io import CheckpointError
+from dsv3_jax.sharding import partition_specs
+from hf_models import V3_TINY, hf_model, save
+
+
+def tiny_args(vocab: int = 8, **overrides) -> ModelArgs:
+    return ModelArgs.from_hf_config({**V3_TINY, "vocab_size": vocab, "num_nextn_predict_layers": 1, **overrides})
+
+
+# ------------------------------------------------------------------ the module against HF, loaded from HF
+@pytest.fixture(scope="module")
+def hf_mtp_dir(tmp_path_factory):
+    """An HF V3 directory with 4 layers and an MTP layer (layer 4: an HF decoder layer, plus random
+    enorm, hnorm, eh_proj, shared_head.norm and the embedding/head copies)."""
+    hf = hf_model("v3", seed=5, vocab_size=64, num_hidden_layers=5)
+    directory = save(hf, tmp_path_factory.mktemp("hf_mtp"))
+    config = json.loads((directory / "config.json").read_text())
+    config.update(num_hidden_layers=4, num_nextn_predict_layers=1)
+    (directory / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    dim = V3_TINY["hidden_size"]
+    extra = {"model.layers.4.enorm.weight": 0.5 + rng.random(dim), "model.layers.4.hnorm.weight": 0.5 + rng.random(dim),
+             "model.layers.4.shared_head.norm.weight": 0.5 + rng.random(dim),
+             "model.layers.4.eh_proj.weight": rng.standard_normal((dim, 2 * dim)) / np.sqrt(2 * dim),
+             "model.layers.4.embed_tokens.weight": hf.model.embed_tokens.weight.detach().numpy(),
+             "model.layers.4.shared_head.head.weight": hf.lm_head.weight.detach().numpy()}
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in extra.items()}, str(directory / "mtp.safetensors"))
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        meta = json.loads(index.read_text())
+        meta["weight_map"].update({k: "mtp.safetensors" for k in extra})
+        index.write_text(json.dumps(meta))
+    return hf, extra, directory
+
+
+def rms(x, w, eps=1e-6):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def hf_mtp_logits(hf, extra, tokens: np.ndarray) -> np.ndarray:
+    """REFERENCE.md §6 in float32 torch with HF's modules: logits of t_{i+2} for i in [0, S-2]."""
+    ids = torch.as_tensor(tokens, dtype=torch.long)
+    t = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in extra.items()}
+    with torch.no_grad():
+        mtp_layer, hf.model.layers = hf.model.layers[4], hf.model.layers[:4]  # the main model: 4 layers
+        try:
+            hidden = hf.model(ids, use_cache=False).last_hidden_state  # after the final norm: what the head sees
+        finally:
+            hf.model.layers.append(mtp_layer)
+        e = rms(hf.model.embed_tokens(ids[:, 1:]), t["model.layers.4.enorm.weight"])
+        h = rms(hidden[:, :-1], t["model.layers.4.hnorm.weight"])
+        x = torch.cat([e, h], -1) @ t["model.layers.4.eh_proj.weight"].T
+        positions = torch.arange(1, ids.shape[1])[None]
+        rotary = hf.model.rotary_emb(x, positions)
+        seq = x.shape[1]
+        mask = torch.full((seq, seq), float("-inf"), dtype=torch.float32).triu(1)[None, None]
+        out = hf.model.layers[4](x, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+        y = out[0] if isinstance(out, tuple) else out
+        return (rms(y, t["model.layers.4.shared_head.norm.weight"]) @ hf.lm_head.weight.T).numpy()
+
+
+def our_mtp_logits(model, tokens: np.ndarray) -> np.ndarray:
+    """The MTP module's logits through the cached inference path (prefill of the main model, then
+    the module over positions 1..S-1)."""
+    args, options = model.args, model.options
+    inv_freq = inverse_frequencies(args)
+
+    def ctx(positions, start=0):
+        cos, sin = rotary_angles(positions, inv_freq, args.rope_attention_factor)
+        return StepContext(positions, cos, sin, args.max_seq_len, options, args.scale_fmt, start)
+
+    def local(state, cache, tokens):
+        m = nnx.merge(model.graphdef, state)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
+        hidden, cache = m.hidden(tokens, ctx(positions), cache)
+        y, _ = m.mtp_hidden(tokens[:, 1:], hidden[:, :-1], ctx(positions[:, 1:], 1), cache)
+        return m.logits(y)
+
+    run = jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(partition_specs(model.state),
+                                                                   cache_specs(options.attn_impl), P()),
+                                out_specs=P(), check_vma=False))
+    return np.asarray(run(model.state, model.cache, jnp.asarray(tokens, jnp.int32)))
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_mtp_logits_equal_hf_statement(hf_mtp_dir, devices):
+    hf, extra, directory = hf_mtp_dir
+    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=64, mtp=True,
+                          num_devices=devices)
+    tokens = np.random.default_rng(1).integers(0, 64, (2, 12))
+    expected = hf_mtp_logits(hf, extra, tokens)
+    got = our_mtp_logits(model, tokens)
+    np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-4 * np.abs(expected).max())
+
+
+def test_without_mtp_nothing_is_read_and_a_missing_layer_is_one_line(hf_mtp_dir, tmp_path):
+    hf, _, directory = hf_mtp_dir
+    plain = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=1, max_seq_len=64)
+    assert not plain.has_mtp and "mtp" not in plain.state
+    with pytest.raises(ValueError, match="mtp=True"):
+        plain.generate([[1, 2]], 3, eos_id=-1, mtp=True)
+    bare = save(hf_model("v3", seed=5, vocab_size=64), tmp_path / "bare")
+    with pytest.raises(CheckpointError, match="no MTP layer"):
+        dsv3_jax.load(bare, compute_dtype="float32", max_batch_size=1, max_seq_len=64, mtp=True)
+
+
+# ------------------------------------------------------------------ the module against a float64 numpy statement
+def np_rms(x, w, eps=1e-6):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def yarn_m(factor, mscale):
+    return 0.1 * mscale * np.log(factor) + 1.0
+
+
+def rope_scaling(cfg: dict) -> dict:
+    return cfg.get("rope_scaling") or cfg["rope_parameters"]  # transformers >= 5 writes the latter
+
+
+def yarn_frequencies(cfg: dict) -> np.ndarray:
+    """REFERENCE.md §2 (YaRN), float64."""
+    rs = rope_scaling(cfg)
+    d, theta = cfg["qk_rope_head_dim"], cfg.get("rope_theta", rs.get("rope_theta"))
+    freqs = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    orig, factor = rs["original_max_position_embeddings"], rs["factor"]
+
+    def corr_dim(n):
+        return d * np.log(orig / (n * 2 * np.pi)) / (2 * np.log(theta))
+
+    low, high = max(np.floor(corr_dim(rs["beta_fast"])), 0), min(np.ceil(corr_dim(rs["beta_slow"])), d - 1)
+    high = high + 0.001 if low == high else high
+    smooth = 1 - np.clip((np.arange(d // 2) - low) / (high - low), 0, 1)
+    return freqs / factor * (1 - smooth) + freqs * smooth
+
+
+def np_rotate(x, angles, attention_factor):
+    """Adjacent pairs (x[2i], x[2i+1]) as one complex number, times attention_factor * e^{i angle}."""
+    z = (x[..., 0::2] + 1j * x[..., 1::2]) * attention_factor * np.exp(1j * angles)
+    return np.stack([z.real, z.imag], -1).reshape(x.shape)
+
+
+def np_mlp(T, p, x):
+    gate, up = x @ T[p + "gate_proj.weight"].T, x @ T[p + "up_proj.weight"].T
+    return (gate / (1 + np.exp(-gate)) * up) @ T[p + "down_proj.weight"].T
+
+
+def np_block(T, cfg, layer, x, positions):
+    """One decoder block (MLA, naive form; dense MLP or MoE), float64, causal over x's positions."""
+    from test_gate import reference_gate
+
+    p = f"model.layers.{layer}."
+    B, S, dim = x.shape
+    H, nope, rope, vd = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    rs = rope_scaling(cfg)
+    a = np_rms(x, T[p + "input_layernorm.weight"])
+    q = np_rms(a @ T[p + "self_attn.q_a_proj.weight"].T, T[p + "self_attn.q_a_layernorm.weight"])
+    q = (q @ T[p + "self_attn.q_b_proj.weight"].T).reshape(B, S, H, nope + rope)
+    kv = a @ T[p + "self_attn.kv_a_proj_with_mqa.weight"].T
+    c, k_pe = kv[..., :cfg["kv_lora_rank"]], kv[..., cfg["kv_lora_rank"]:]
+    kv = (np_rms(c, T[p + "self_attn.kv_a_layernorm.weight"]) @ T[p + "self_attn.kv_b_proj.weight"].T)
+    kv = kv.reshape(B, S, H, nope + vd)
+    angles = np.asarray(positions, np.float64)[:, None] * yarn_frequencies(cfg)  # (S, rope/2)
+    factor = yarn_m(rs["factor"], rs["mscale"]) / yarn_m(rs["factor"], rs["mscale_all_dim"])
+    q_pe = np_rotate(q[..., nope:], angles[None, :, None], factor)
+    k_pe = np_rotate(k_pe, angles[None], factor)
+    scale = (nope + rope) ** -0.5 * yarn_m(rs["factor"], rs["mscale_all_dim"]) ** 2
+    scores = (np.einsum("bshd,bthd->bsht", q[..., :nope], kv[..., :nope])
+              + np.einsum("bshd,btd->bsht", q_pe, k_pe)) * scale
+    scores = scores + np.where(np.triu(np.ones((S, S), bool), 1), -np.inf, 0.0)[None, :, None, :]
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    o = np.einsum("bsht,bthd->bshd", probs, kv[..., nope:]).reshape(B, S, H * vd)
+    h = x + o @ T[p + "self_attn.o_proj.weight"].T
+    f = np_rms(h, T[p + "post_attention_layernorm.weight"]).reshape(B * S, dim)
+    if layer < cfg["first_k_dense_replace"]:
+        y = np_mlp(T, p + "mlp.", f)
+    else:
+        weights, indices = reference_gate(f, T[p + "mlp.gate.weight"], T.get(p + "mlp.gate.e_score_correction_bias"),
+                                          cfg.get("scoring_func", "sigmoid"), cfg["n_group"], cfg["topk_group"],
+                                          cfg["num_experts_per_tok"], cfg["norm_topk_prob"],
+                                          cfg["routed_scaling_factor"])
+        y = np_mlp(T, p + "mlp.shared_experts.", f)
+        for t in range(len(f)):
+            for w, e in zip(weights[t], indices[t]):
+                y[t] += w * np_mlp(T, f"{p}mlp.experts.{e}.", f[t])
+    return h + y.reshape(B, S, dim)
+
+
+def numpy_mtp_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
+    """REFERENCE.md §6 in float64 numpy from the checkpoint's tensors: logits of t_{i+2}, i in [0, S-2]."""
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((directory / "config.json").read_text())
+    T = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        T.update({k: v.astype(np.float64) for k, v in load_file(str(f)).items()})
+    L, S = cfg["num_hidden_layers"], tokens.shape[1]
+    x = T["model.embed_tokens.weight"][tokens]
+    for layer in range(L):
+        x = np_block(T, cfg, layer, x, np.arange(S))
+    hidden = np_rms(x, T["model.norm.weight"], cfg["rms_norm_eps"])  # what the main head sees
+    p = f"model.layers.{L}."
+    e = np_rms(T["model.embed_tokens.weight"][tokens[:, 1:]], T[p + "enorm.weight"])
+    h = np_rms(hidden[:, :-1], T[p + "hnorm.weight"])
+    x = np.concatenate([e, h], -1) @ T[p + "eh_proj.weight"].T
+    y = np_block(T, cfg, L, x, np.arange(1, S))
+    return np_rms(y, T[p + "shared_head.norm.weight"]) @ T["lm_head.weight"].T
+
+
+def test_mtp_logits_equal_float64_numpy_statement(hf_mtp_dir):
+    _, _, directory = hf_mtp_dir
+    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=64, mtp=True)
+    tokens = np.random.default_rng(2).integers(0, 64, (2, 12))
+    expected = numpy_mtp_logits(directory, tokens)
+    got = our_mtp_logits(model, tokens)
+    # measured: 9e-7 of the largest logit (float32 compute, routing as in the reference)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+# ------------------------------------------------------------------ greedy identity
+@pytest.fixture(scope="module", params=[1, 4], ids=["1dev", "4dev"])
+def spec_model(request):
+    return dsv3_jax.build(tiny_args().replace(max_batch_size=4, max_seq_len=48), mtp=True, compute_dtype="float32",
+                          seed=3, num_devices=request.param)
+
+
+def test_greedy_output_is_identical_with_mtp(spec_model):
+    rng = np.random.default_rng(0)
+    total = dict(drafts=0, accepted=0)
+    cases = [([3, 9, 17, 5], 30, -1),  # unequal prompts
+             ([40, 2, 44, 30], 20, -1),  # budgets cut by max_seq_len = 48: 8, 20, 4, 18 (and 2-token steps at the end)
+             ([7], 25, -1), ([47], 5, -1), ([20, 11], 30, 5)]  # batch 1, a prompt one short of max_seq_len, eos
+    for lengths, new, eos in cases:
+        prompts = [rng.integers(0, 8, n).tolist() for n in lengths]
+        plain = spec_model.generate(prompts, new, eos_id=eos, temperature=0.0)
+        stats = {}
+        fast = spec_model.generate(prompts, new, eos_id=eos, temperature=0.0, mtp=True, stats=stats)
+        assert fast == plain, (lengths, new)
+        total["drafts"] += stats["drafts"]
+        total["accepted"] += stats["accepted"]
+    assert 0 < total["accepted"] < total["drafts"]  # both branches ran
+
+
+# ------------------------------------------------------------------ sampling keeps the main model's distribution
+def filtered(p: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """float64 top-k then top-p (the smallest set of the most likely tokens whose mass reaches top_p), renormalised."""
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros(len(p), bool)
+    keep[order[:top_k or len(p)]] = True
+    p = np.where(keep, p, 0) / p[keep].sum()
+    ordered = p[order]
+    kept = order[(np.cumsum(ordered) - ordered) < top_p]
+    out = np.zeros_like(p)
+    out[kept] = p[kept]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 0.8)], ids=["unfiltered", "top_k_top_p"])
+def test_sampled_tokens_follow_the_main_model(spec_model, top_k, top_p):
+    """Draft q and target p are both the filtered distributions; min(1, p/q) acceptance with the
+    normalize(max(p - q, 0)) residual is exact for any pair, so the output is the main model's
+    filtered distribution."""
+    if spec_model.mesh.devices.size != 1:
+        pytest.skip("one device is enough for the statistics")
+    vocab, prompt, temperature = 8, [1, 5, 2], 1.0
+
+    def probs(tokens):
+        logits = np.asarray(spec_model.forward(np.array([tokens]))).astype(np.float64)[0] / temperature
+        p = np.exp(logits - logits.max())
+        return filtered(p / p.sum(), top_k, top_p)
+
+    p1 = probs(prompt)
+    joint = np.array([[p1[a] * q for q in probs(prompt + [a])] for a in range(vocab)])  # (t1, t2)
+    third = np.zeros(vocab)
+    for a in range(vocab):
+        for b in range(vocab):
+            third += joint[a, b] * probs(prompt + [a, b])
+    counts, third_counts, runs = np.zeros((vocab, vocab)), np.zeros(vocab), 300
+    for seed in range(runs):
+        for row in spec_model.generate([prompt] * 4, 3, eos_id=-1, temperature=temperature, seed=seed, mtp=True,
+                                      top_k=top_k, top_p=top_p):
+            counts[row[0], row[1]] += 1
+            third_counts[row[2]] += 1
+    n = counts.sum()
+    for observed, expected in ((counts.ravel(), joint.ravel() * n), (third_counts, third * n)):
+        keep = expected > 5
+        chi2 = (((observed[keep] - expected[keep]) ** 2) / expected[keep]).sum()
+        dof = keep.sum() - 1
+        assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)  # about a 5-sigma bound
+        assert observed[~keep].sum() <= max(20, 3 * expected[~keep].sum())
+        assert observed[expected == 0].sum() == 0  # filtered-out tokens never appear
+    if top_k:
+        assert (joint == 0).any()
+
+
+# ------------------------------------------------------------------ the MTP layer through the converters
+def assert_same_mtp_model(reference, other):
+    tokens = np.random.default_rng(3).integers(0, 64, (2, 12))
+    np.testing.assert_array_equal(our_mtp_logits(other, tokens), our_mtp_logits(reference, tokens))
+    prompts = [[5, 9, 33, 2], [17]]
+    stats = {}
+    expected = reference.generate(prompts, 12, eos_id=-1, temperature=0.0, mtp=True)
+    assert other.generate(prompts, 12, eos_id=-1, temperature=0.0, mtp=True, stats=stats) == expected
+    assert expected == reference.generate(prompts, 12, eos_id=-1, temperature=0.0)
+    assert stats["drafts"] > 0
+
+
+@pytest.fixture(scope="module")
+def hf_mtp_model(hf_mtp_dir):
+    return dsv3_jax.load(hf_mtp_dir[2], compute_dtype="float32", max_batch_size=2, max_seq_len=64, mtp=True)
+
+
+def test_orbax_conversion_keeps_the_mtp_layer(hf_mtp_dir, hf_mtp_model, tmp_path):
+    from dsv3_jax.convert.to_orbax import to_orbax
+
+    to_orbax(hf_mtp_dir[2], tmp_path / "orbax")
+    converted = dsv3_jax.load(tmp_path / "orbax", compute_dtype="float32", max_batch_size=2, max_seq_len=64,
+                              mtp=True)
+    assert converted.has_mtp
+    assert_same_mtp_model(hf_mtp_model, converted)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_model, tmp_path, ranks):
+    from dsv3_jax.convert.convert import main as convert_main
+
+    directory = hf_mtp_dir[2]
+    convert_main(["--hf-ckpt-path", str(directory), "--save-path", str(tmp_path / "plain"), "--n-experts", "8",
+                  "--model-parallel", str(ranks)])
+    convert_main(["--hf-ckpt-path", str(directory), "--save-path", str(tmp_path / "mtp"), "--n-experts", "8",
+                  "--model-parallel", str(ranks), "--keep-mtp"])
+    args = ModelArgs.from_file(directory / "config.json")
+    common = dict(config=args, compute_dtype="float32", max_batch_size=2, max_seq_len=64)
+    with pytest.raises(CheckpointError, match="no MTP layer"):  # the reference's layout: no MTP
+        dsv3_jax.load(tmp_path / "plain", mtp=True, **common)
+    converted = dsv3_jax.load(tmp_path / "mtp", mtp=True, num_devices=ranks, **common)
+    if ranks == 1:
+        from dsv3_jax.convert.common import ToolError
+
+        bare = save(hf_model("v3", seed=5, vocab_size=64), tmp_path / "bare")
+        with pytest.raises(ToolError, match="holds no MTP layer"):
+            convert_main(["--hf-ckpt-path", str(bare), "--save-path", str(tmp_path / "x"), "--n-experts", "8",
+                          "--model-parallel", "1", "--keep-mtp"])
+    reference = hf_mtp_model if ranks == 1 else dsv3_jax.load(directory, mtp=True, num_devices=ranks, **{
+        k: v for k, v in common.items() if k != "config"})  # bitwise: the same device count
+    assert_same_mtp_model(reference, converted)
