@@ -172,9 +172,10 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tupl
 
 def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu):
     """One (row tile, column tile) program. refs: the weights (n_weights), their scales (if fp8),
-    row_scale (if given), then the output."""
+    row_scale (if given), the zeroed output buffer (aliased to the output), then the output."""
     w_refs = refs[:n_weights]
     scale_refs = refs[n_weights:2 * n_weights] if fp8 else (None,) * n_weights
+    row_scale_ref = refs[(2 if fp8 else 1) * n_weights] if row_scale else None
     o_ref = refs[-1]
     tile, j = pl.program_id(0), pl.program_id(1)
 
@@ -191,7 +192,7 @@ def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row
         else:
             (acc,) = accs
         if row_scale:
-            acc = acc * plgpu.load(refs[-2].at[rows], mask=row_ok)[:, None]
+            acc = acc * plgpu.load(row_scale_ref.at[rows], mask=row_ok)[:, None]
         plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
