@@ -85,7 +85,7 @@ def test_fused_decode_time(weights):
     import time
 
     args = ModelArgs.from_reference_json(CONFIGS / "config_16B.json").replace(
-        n_layers=5, n_dense_layers=1, dtype=weights, max_batch_size=1, max_seq_len=128)
+        n_layers=5, n_dense_layers=1, inter_dim=11008, dtype=weights, max_batch_size=1, max_seq_len=128)  # 128-multiple
     kernel = dsv3_jax.build(args, seed=0, gemm_impl="fp8" if weights == "fp8" else "bf16", moe_impl="kernel")
     times = {}
     for impl in ("kernel", "fused", "kernel", "fused"):  # interleaved: the second round is the one kept
