@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import FP8_BLOCK, act_quant, grouped_gemm, use_interpret
+from pallas_kernels import FP8_BLOCK, act_quant, grouped_gemm, grouped_gemm_swiglu, use_interpret
 from pallas_kernels.reference import weight_dequant_ref
 
 from .config import ModelArgs
@@ -85,9 +85,23 @@ def grouped_kernel_applies(in_dims: tuple[int, ...]) -> bool:
     return not use_interpret() and all(k % FP8_BLOCK == 0 for k in in_dims)
 
 
+def _fp8_activations(x: jnp.ndarray, scale_fmt: str | None, dtype) -> jnp.ndarray:
+    """x rounded through `act_quant` (gemm_impl "fp8"): its per-128 fp8 values times their scales."""
+    xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
+    blocks = xq.astype(jnp.float32).reshape(x.shape[0], -1, FP8_BLOCK) * xs[..., None]
+    return blocks.reshape(x.shape).astype(dtype)
+
+
+def _kernel_tiles(rows: int, fp8: bool) -> dict:
+    """block_m, block_n of the grouped kernels: decode-sized batches get short row tiles; prefill
+    taller tiles, which re-read each expert less often (block_n <= 128 with fp8 weights)."""
+    block_m, block_n = (16, 64) if rows <= 1024 else (64, 128)
+    return dict(block_m=block_m, block_n=min(block_n, FP8_BLOCK) if fp8 else block_n)
+
+
 def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | None, group_sizes: jnp.ndarray,
                    *, gemm_impl: str = "bf16", scale_fmt: str | None = None, use_kernel: bool = False,
-                   stack_index=None) -> jnp.ndarray:
+                   stack_index=None, row_scale: jnp.ndarray | None = None) -> jnp.ndarray:
     """Rows of x (M, in), sorted by expert, times their expert's W^T (weight (E, out, in)) -> float32.
 
     group_sizes (E,) counts the rows of each expert; rows past their sum come out as zeros.
@@ -97,16 +111,13 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     `act_quant`: exactly the scaled fp8 GEMM's products on the XLA path, carried in x's dtype
     in the kernel (exact for ue8m0 scales, within 2^-9 otherwise). With `stack_index` (kernel only),
     weight and scale are a stack over layers (L, E, out, in) of which layer `stack_index` is used.
+    `row_scale` (M,) float32 multiplies each row's float32 result (in the kernel, before its store).
     """
     if scale is not None and gemm_impl == "fp8":
-        xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
-        blocks = xq.astype(jnp.float32).reshape(x.shape[0], -1, FP8_BLOCK) * xs[..., None]
-        x = blocks.reshape(x.shape).astype(x.dtype if use_kernel else jnp.float32)
+        x = _fp8_activations(x, scale_fmt, x.dtype if use_kernel else jnp.float32)
     if use_kernel:
-        # decode-sized batches: short row tiles; prefill: taller tiles re-read each expert less often
-        block_m, block_n = (16, 64) if x.shape[0] <= 1024 else (64, 128)
         return grouped_gemm(x, weight, group_sizes, scale, layer=stack_index, out_dtype=jnp.float32,
-                            block_m=block_m, block_n=block_n if scale is None else min(block_n, FP8_BLOCK))
+                            row_scale=row_scale, **_kernel_tiles(x.shape[0], scale is not None))
     if stack_index is not None:
         raise ValueError("grouped_matmul: a stack of layers' weights (`stack_index`) needs the kernel")
     if scale is not None:
@@ -116,8 +127,21 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
         weight = jax.vmap(dequantize)(weight, scale)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    return jax.lax.ragged_dot_general(x, weight.astype(x.dtype), group_sizes, dims,
-                                      preferred_element_type=jnp.float32)
+    out = jax.lax.ragged_dot_general(x, weight.astype(x.dtype), group_sizes, dims,
+                                     preferred_element_type=jnp.float32)
+    return out if row_scale is None else out * row_scale[:, None]
+
+
+def grouped_swiglu(x: jnp.ndarray, w1: jnp.ndarray, w3: jnp.ndarray, scale1: jnp.ndarray | None,
+                   scale3: jnp.ndarray | None, group_sizes: jnp.ndarray, *, gemm_impl: str = "bf16",
+                   scale_fmt: str | None = None, stack_index=None) -> jnp.ndarray:
+    """silu(x W1_g^T) * (x W3_g^T) in x's dtype from one Pallas launch (`grouped_gemm_swiglu`):
+    the "fused" routed-expert path's first half. Same arguments as `grouped_matmul` with
+    use_kernel; with gemm_impl "fp8" and fp8 weights x is rounded through `act_quant` once."""
+    if scale1 is not None and gemm_impl == "fp8":
+        x = _fp8_activations(x, scale_fmt, x.dtype)
+    return grouped_gemm_swiglu(x, w1, w3, group_sizes, scale1, scale3, layer=stack_index, out_dtype=x.dtype,
+                               **_kernel_tiles(x.shape[0], scale1 is not None))
 
 
 class Experts(nnx.Module):
@@ -140,7 +164,9 @@ class Experts(nnx.Module):
         """This rank's share of sum_k weight_k * expert_k(x): x (N, dim), weights/indices (N, k).
 
         moe_impl "auto" picks the Pallas grouped kernel on a GPU; elsewhere it gathers the experts
-        in use when they are few (decoding), else runs `ragged_dot` over all local experts."""
+        in use when they are few (decoding), else runs `ragged_dot` over all local experts.
+        "fused" runs two Pallas launches: w1, w3 and silu * mul in one (`grouped_gemm_swiglu`),
+        then w2 with the routing weights applied to its accumulator (`row_scale`)."""
         tokens, topk = indices.shape
         stacked = self.w1.weight.ndim == 4
         if stacked != (stack_index is not None):
@@ -163,7 +189,7 @@ class Experts(nnx.Module):
             use_kernel = grouped_kernel_applies(in_dims)
             gather = not use_kernel and 2 * tokens * topk <= local_experts
         else:
-            use_kernel, gather = moe_impl == "kernel", moe_impl == "gather"
+            use_kernel, gather = moe_impl in ("kernel", "fused"), moe_impl == "gather"
         in_layer = (lambda a: a) if not stacked else (  # noqa: E731
             lambda a: jax.lax.dynamic_index_in_dim(a, stack_index, 0, keepdims=False))
         if gather:
@@ -183,6 +209,17 @@ class Experts(nnx.Module):
                                   **ctx.gemm, use_kernel=use_kernel,
                                   stack_index=stack_index if use_kernel and stacked else None)
 
+        if moe_impl == "fused":
+            # rows of other ranks' experts sort past the groups: the kernels leave them zero
+            scale = lambda linear: None if linear.scale is None else linear.scale[...]  # noqa: E731
+            hidden = grouped_swiglu(rows, self.w1.weight[...], self.w3.weight[...], scale(self.w1), scale(self.w3),
+                                    group_sizes.astype(jnp.int32), **ctx.gemm,
+                                    stack_index=stack_index if stacked else None)
+            row_weights = jnp.where(mine[order], weights.reshape(-1)[order], 0.0).astype(jnp.float32)
+            out = grouped_matmul(hidden, self.w2.weight[...], scale(self.w2), group_sizes.astype(jnp.int32),
+                                 **ctx.gemm, use_kernel=True, stack_index=stack_index if stacked else None,
+                                 row_scale=row_weights)
+            return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
         hidden = (jax.nn.silu(gmm(self.w1, rows)) * gmm(self.w3, rows)).astype(x.dtype)
         out = gmm(self.w2, hidden) * weights.reshape(-1)[order][:, None]
         out = jnp.where(mine[order][:, None], out, 0.0)  # rows of other ranks' experts were not computed

@@ -9,6 +9,11 @@ schedule (group, first row, group end) is computed in plain XLA and read by the 
 An fp8 weight (float8_e4m3fn with float32 128x128 block scales) is dequantised tile by tile in
 the kernel, to x's dtype, as ``weight_dequant`` then a matmul would: the "bf16" GEMM path.
 
+The routed experts' feed-forward in two launches (issue 12, fewer kernels per decode layer):
+``grouped_gemm_swiglu`` computes h = silu(x W1^T) * (x W3^T) with the x tile loaded once per K
+block for both weights, and ``grouped_gemm(..., row_scale=routing weights)`` the down projection
+already weighted. Both share one kernel body (`_kernel` over the K loop `_k_loop`) and schedule.
+
 The kernel reads an fp8 weight as pairs of bytes (a uint16 view) and x with each 128-column
 block's even columns before its odd ones. The reason is a limit of Pallas' Triton lowering
 (jax 0.11.2): it indexes a ref with 32-bit signed element offsets whenever the ref holds at most
@@ -26,26 +31,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import BLOCK, FP8, cdiv, fail, interpret_in_shard_map, match_vma, result, use_interpret, vma_union
+from .reference import grouped_gemm_ref, grouped_gemm_swiglu_ref  # noqa: F401 (re-exported)
 
 _FN = "grouped_gemm"
 
 
-def grouped_gemm_ref(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None,
-                     out_dtype=jnp.float32) -> jax.Array:
-    """The plain-XLA twin: dequantise (if fp8) then `ragged_dot`; rows past the groups are zero."""
-    if w_scale is not None:
-        full = jnp.repeat(jnp.repeat(w_scale, BLOCK, axis=1), BLOCK, axis=2)[:, : w.shape[1], : w.shape[2]]
-        w = (w.astype(jnp.float32) * full).astype(x.dtype)
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    out = jax.lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), dims,
-                                     preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
-
-
 def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None,
-                 *, layer: jax.Array | int | None = None, out_dtype=jnp.float32, block_m: int = 16,
-                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+                 *, layer: jax.Array | int | None = None, row_scale: jax.Array | None = None,
+                 out_dtype=jnp.float32, block_m: int = 16, block_n: int = 64, num_warps: int = 4,
+                 num_stages: int = 3) -> jax.Array:
     """Rows of x (M, K), sorted by group, times their group's w (G, N, K) transposed -> (M, N).
 
     Args:
@@ -54,32 +48,74 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: ja
         With `layer`, w is a stack (L, G, N, K) (w_scale (L, G, ...)) and layer[()] picks one: the
         kernel indexes the stack itself, so a layer loop need not copy its slice out first.
       group_sizes: int32 (G,): rows of each group, in order; rows past their sum come out zero.
+      row_scale: optional float32 (M,): row r's float32 result is multiplied by row_scale[r] before
+        the store (the MoE routing weight of the down projection, without a kernel of its own).
       block_m, block_n: rows and output columns per program (powers of two >= 16; block_n <= 128
         with an fp8 weight, so that one scale covers a tile's columns).
     """
+    return _grouped(_FN, x, (w,), (w_scale,), group_sizes, layer, row_scale, False, out_dtype,
+                    block_m, block_n, num_warps, num_stages)
+
+
+def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array,
+                        w1_scale: jax.Array | None = None, w3_scale: jax.Array | None = None, *,
+                        layer: jax.Array | int | None = None, out_dtype=None, block_m: int = 16,
+                        block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+    """The gated hidden state of routed experts in one launch: h = silu(x W1_g^T) * (x W3_g^T).
+
+    Same rows, groups, weight forms (bf16 or fp8 + 128x128 scales, optionally a layer stack with
+    `layer`) and tiles as `grouped_gemm`; w1 and w3 have one shape. Each program loads its x tile
+    once and both weights' tiles of the same columns, keeps two float32 accumulators and applies
+    silu(a1) * a3 in float32 before storing h in `out_dtype` (default: x's dtype). Rows past the
+    groups come out zero.
+    """
+    if (w1_scale is None) != (w3_scale is None) or w1.shape != w3.shape or w1.dtype != w3.dtype:
+        fail(_SWIGLU, f"w1 and w3 must have one shape and dtype and both or neither a scale; got {w1.shape} "
+                      f"{w1.dtype} and {w3.shape} {w3.dtype}")
+    return _grouped(_SWIGLU, x, (w1, w3), (w1_scale, w3_scale), group_sizes, layer, None, True,
+                    x.dtype if out_dtype is None else out_dtype, block_m, block_n, num_warps, num_stages)
+
+
+_SWIGLU = "grouped_gemm_swiglu"
+
+
+def _grouped(fn, x, ws, scales, group_sizes, layer, row_scale, swiglu, out_dtype, block_m, block_n,
+             num_warps, num_stages):
+    """The shared wrapper: checks, the XLA fallback, the tile schedule and one pallas_call over
+    weights `ws` (one for a plain GEMM, w1 and w3 for swiglu)."""
     stacked = layer is not None
+    w = ws[0]
     if stacked != (w.ndim == 4):
-        fail(_FN, f"w has shape {tuple(w.shape)}: a stack (L, G, N, K) goes with `layer`, (G, N, K) without")
+        fail(fn, f"w has shape {tuple(w.shape)}: a stack (L, G, N, K) goes with `layer`, (G, N, K) without")
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    m, k = _check(x, w[0] if stacked else w, group_sizes, None if w_scale is None else
+    w_scale = scales[0]
+    m, k = _check(fn, x, w[0] if stacked else w, group_sizes, None if w_scale is None else
                   (w_scale[0] if stacked else w_scale), block_m, block_n)
+    if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
+        fail(fn, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 ({m},)")
     n = w.shape[-2]
+    fp8 = w_scale is not None
     interpret = use_interpret()
-    if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, w, group_sizes):
+    if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, *ws, group_sizes):
         if stacked:
-            w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
-            w_scale = None if w_scale is None else jax.lax.dynamic_index_in_dim(w_scale, layer, 0, keepdims=False)
-        return grouped_gemm_ref(x, w, group_sizes, w_scale, out_dtype)
+            pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
+            ws, scales = tuple(map(pick, ws)), tuple(map(pick, scales))
+        if swiglu:
+            return grouped_gemm_swiglu_ref(x, *ws, group_sizes, *scales, out_dtype=out_dtype)
+        return grouped_gemm_ref(x, ws[0], group_sizes, scales[0], out_dtype, row_scale=row_scale)
     if not stacked:
-        w, w_scale = w[None], None if w_scale is None else w_scale[None]
-    if w_scale is not None:
-        w, x = byte_pairs(w), even_odd_columns(x)
+        ws, scales = tuple(a[None] for a in ws), tuple(None if s is None else s[None] for s in scales)
+    if fp8:
+        ws, x = tuple(map(byte_pairs, ws)), even_odd_columns(x)
     schedule, max_tiles = tile_schedule(group_sizes.astype(jnp.int32), m, block_m, layer)
-    vma = vma_union(x, w, group_sizes)
-    operands = [schedule, jnp.pad(x, ((0, block_m), (0, 0))), w] + ([w_scale] if w_scale is not None else [])
+    vma = vma_union(x, *ws, group_sizes)
+    operands = [schedule, jnp.pad(x, ((0, block_m), (0, 0))), *ws] + (list(scales) if fp8 else [])
+    if row_scale is not None:
+        operands.append(jnp.pad(row_scale, (0, block_m)))
     operands = match_vma(vma, *operands)
     zeros = match_vma(vma, jnp.zeros((m + block_m, n), out_dtype))[0]
-    kernel = functools.partial(_kernel, n=n, k=k, block_m=block_m, block_n=block_n, fp8=w_scale is not None)
+    kernel = functools.partial(_kernel, n=n, k=k, block_m=block_m, block_n=block_n, fp8=fp8,
+                               n_weights=len(ws), row_scale=row_scale is not None, swiglu=swiglu)
     out = pl.pallas_call(
         kernel,
         out_shape=result((m + block_m, n), out_dtype, vma),
@@ -87,7 +123,7 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: ja
         input_output_aliases={len(operands): 0},  # the zeroed output: rows no tile owns stay zero
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="grouped_gemm",
+        name=fn,
     )(*operands, zeros)
     return out[:m]
 
@@ -134,8 +170,12 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tupl
     return jnp.stack([group, row, ends[group], exists, layers]).astype(jnp.int32), max_tiles
 
 
-def _kernel(sched_ref, x_ref, w_ref, *refs, n, k, block_m, block_n, fp8):
-    scale_ref = refs[0] if fp8 else None
+def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu):
+    """One (row tile, column tile) program. refs: the weights (n_weights), their scales (if fp8),
+    row_scale (if given), the zeroed output buffer (aliased to the output), then the output."""
+    w_refs = refs[:n_weights]
+    scale_refs = refs[n_weights:2 * n_weights] if fp8 else (None,) * n_weights
+    row_scale_ref = refs[(2 if fp8 else 1) * n_weights] if row_scale else None
     o_ref = refs[-1]
     tile, j = pl.program_id(0), pl.program_id(1)
 
@@ -145,60 +185,78 @@ def _kernel(sched_ref, x_ref, w_ref, *refs, n, k, block_m, block_n, fp8):
         row_ok = (row + jnp.arange(block_m)) < end
         col_ok = (j * block_n + jnp.arange(block_n)) < n
         rows, cols = pl.ds(row, block_m), pl.ds(j * block_n, block_n)
+        accs = _k_loop(x_ref, w_refs, scale_refs, layer, group, j, rows, cols, row_ok, col_ok,
+                       k=k, block_m=block_m, block_n=block_n, fp8=fp8)
+        if swiglu:
+            acc = jax.nn.sigmoid(accs[0]) * accs[0] * accs[1]  # silu(x W1^T) * (x W3^T), in float32
+        else:
+            (acc,) = accs
+        if row_scale:
+            acc = acc * plgpu.load(row_scale_ref.at[rows], mask=row_ok)[:, None]
+        plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
-        def dot(xb, wb):
-            precision = jax.lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None  # no tf32 for float32
-            return jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), precision=precision,
-                                       preferred_element_type=jnp.float32)
 
-        def body(kb, acc):
-            # masked rows / columns hold garbage that reaches only output rows / columns not stored
-            start = pl.multiple_of(kb * BLOCK, BLOCK)
-            if not fp8:
-                xb = plgpu.load(x_ref.at[rows, pl.ds(start, BLOCK)], mask=row_ok[:, None])
-                wb = plgpu.load(w_ref.at[layer, group, cols, pl.ds(start, BLOCK)], mask=col_ok[:, None])
-                return acc + dot(xb, wb)
-            half = BLOCK // 2  # the block's even columns of x meet the low bytes, its odd ones the high
-            x_even = plgpu.load(x_ref.at[rows, pl.ds(start, half)], mask=row_ok[:, None])
-            x_odd = plgpu.load(x_ref.at[rows, pl.ds(start + half, half)], mask=row_ok[:, None])
+def _k_loop(x_ref, w_refs, scale_refs, layer, group, j, rows, cols, row_ok, col_ok, *, k, block_m, block_n, fp8):
+    """The K loop shared by every grouped kernel: float32 (block_m, block_n) x-tile times w-tile^T
+    for each of `w_refs` (same group, layer and columns), the x tile loaded once per K block."""
+
+    def dot(xb, wb):
+        precision = jax.lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None  # no tf32 for float32
+        return jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
+
+    def body(kb, accs):
+        # masked rows / columns hold garbage that reaches only output rows / columns not stored
+        start = pl.multiple_of(kb * BLOCK, BLOCK)
+        if not fp8:
+            xb = plgpu.load(x_ref.at[rows, pl.ds(start, BLOCK)], mask=row_ok[:, None])
+            return tuple(acc + dot(xb, plgpu.load(w_ref.at[layer, group, cols, pl.ds(start, BLOCK)],
+                                                  mask=col_ok[:, None]))
+                         for acc, w_ref in zip(accs, w_refs))
+        half = BLOCK // 2  # the block's even columns of x meet the low bytes, its odd ones the high
+        x_even = plgpu.load(x_ref.at[rows, pl.ds(start, half)], mask=row_ok[:, None])
+        x_odd = plgpu.load(x_ref.at[rows, pl.ds(start + half, half)], mask=row_ok[:, None])
+        out = []
+        for acc, w_ref, scale_ref in zip(accs, w_refs, scale_refs):
             words = plgpu.load(w_ref.at[layer, group, cols, pl.ds(pl.multiple_of(kb * half, half), half)],
                                mask=col_ok[:, None])
             scale = scale_ref[layer, group, (j * block_n) // BLOCK, kb]
             w_even, w_odd = _unpack_fp8_pairs(words)
-            return (acc + dot(x_even, (w_even * scale).astype(x_even.dtype))
-                    + dot(x_odd, (w_odd * scale).astype(x_odd.dtype)))
+            out.append(acc + dot(x_even, (w_even * scale).astype(x_even.dtype))
+                       + dot(x_odd, (w_odd * scale).astype(x_odd.dtype)))
+        return tuple(out)
 
-        acc = jax.lax.fori_loop(0, k // BLOCK, body, jnp.zeros((block_m, block_n), jnp.float32))
-        plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs)
+    return jax.lax.fori_loop(0, k // BLOCK, body, zeros)
 
 
-def _check(x, w, group_sizes, w_scale, block_m, block_n) -> tuple[int, int]:
+def _check(fn, x, w, group_sizes, w_scale, block_m, block_n) -> tuple[int, int]:
     if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
-        fail(_FN, f"expects x (M, K), w (G, N, K), group_sizes (G,); got {x.shape}, {w.shape}, {group_sizes.shape}")
+        fail(fn, f"expects x (M, K), w (G, N, K), group_sizes (G,); got {x.shape}, {w.shape}, {group_sizes.shape}")
     m, k = x.shape
     groups, n, kw = w.shape
     if kw != k:
-        fail(_FN, f"w has shape {tuple(w.shape)}, expected (G, N, {k}) with K from x")
+        fail(fn, f"w has shape {tuple(w.shape)}, expected (G, N, {k}) with K from x")
     if k % BLOCK:
-        fail(_FN, f"x has last dim K={k}, which must be a multiple of {BLOCK}")
+        fail(fn, f"x has last dim K={k}, which must be a multiple of {BLOCK}")
     if group_sizes.shape[0] != groups:
-        fail(_FN, f"group_sizes has {group_sizes.shape[0]} entries for {groups} groups in w")
+        fail(fn, f"group_sizes has {group_sizes.shape[0]} entries for {groups} groups in w")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        fail(_FN, f"group_sizes has dtype {group_sizes.dtype}, expected an integer type")
+        fail(fn, f"group_sizes has dtype {group_sizes.dtype}, expected an integer type")
     if x.dtype not in (jnp.bfloat16, jnp.float32, jnp.float16):
-        fail(_FN, f"x has dtype {x.dtype}, expected bfloat16, float16 or float32")
+        fail(fn, f"x has dtype {x.dtype}, expected bfloat16, float16 or float32")
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value < 16 or value & (value - 1):
-            fail(_FN, f"{name}={value} must be a power of two >= 16")
+            fail(fn, f"{name}={value} must be a power of two >= 16")
     if w_scale is None:
         if w.dtype != x.dtype:
-            fail(_FN, f"w has dtype {w.dtype}; without w_scale it must match x ({x.dtype})")
+            fail(fn, f"w has dtype {w.dtype}; without w_scale it must match x ({x.dtype})")
     else:
         if w.dtype != FP8:
-            fail(_FN, f"w has dtype {w.dtype}; with w_scale it must be float8_e4m3fn")
+            fail(fn, f"w has dtype {w.dtype}; with w_scale it must be float8_e4m3fn")
         want = (groups, cdiv(n, BLOCK), k // BLOCK)
         if tuple(w_scale.shape) != want or w_scale.dtype != jnp.float32:
-            fail(_FN, f"w_scale has shape {tuple(w_scale.shape)} {w_scale.dtype}, expected float32 {want}")
+            fail(fn, f"w_scale has shape {tuple(w_scale.shape)} {w_scale.dtype}, expected float32 {want}")
         if block_n > BLOCK or BLOCK % block_n:
-            fail(_FN, f"block_n={block_n} must divide {BLOCK} with an fp8 weight")
+            fail(fn, f"block_n={block_n} must divide {BLOCK} with an fp8 weight")
     return m, k

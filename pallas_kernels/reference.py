@@ -47,3 +47,29 @@ def fp8_gemm_ref(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out
     sb = jnp.repeat(b_s, BLOCK, axis=0)[:n].T[:, None, :]  # (g, 1, n)
     c = (part * sa * sb).sum(axis=0)
     return c.astype(out_dtype).reshape(*lead, n)
+
+
+def grouped_gemm_ref(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None,
+                     out_dtype=jnp.float32, row_scale: jax.Array | None = None) -> jax.Array:
+    """`grouped_gemm`: dequantise (if fp8) to x's dtype, then `ragged_dot` in float32, times
+    row_scale[r] per row (if given), cast to out_dtype; rows past the groups are zero."""
+    if w_scale is not None:
+        full = jnp.repeat(jnp.repeat(w_scale, BLOCK, axis=1), BLOCK, axis=2)[:, : w.shape[1], : w.shape[2]]
+        w = (w.astype(jnp.float32) * full).astype(x.dtype)
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    out = jax.lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), dims,
+                                     preferred_element_type=jnp.float32)
+    if row_scale is not None:
+        out = out * row_scale.astype(jnp.float32)[:, None]
+    return out.astype(out_dtype)
+
+
+def grouped_gemm_swiglu_ref(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array,
+                            w1_scale: jax.Array | None = None, w3_scale: jax.Array | None = None,
+                            out_dtype=None) -> jax.Array:
+    """`grouped_gemm_swiglu`: silu(x W1_g^T) * (x W3_g^T) from float32 products, cast to out_dtype
+    (default x's dtype); rows past the groups are zero."""
+    a1 = grouped_gemm_ref(x, w1, group_sizes, w1_scale)
+    a3 = grouped_gemm_ref(x, w3, group_sizes, w3_scale)
+    return (jax.nn.silu(a1) * a3).astype(x.dtype if out_dtype is None else out_dtype)

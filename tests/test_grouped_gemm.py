@@ -1,10 +1,12 @@
-"""The Pallas grouped GEMM against float64 numpy (interpret mode on a CPU; compiled with -m gpu)."""
+"""The Pallas grouped GEMMs (plain, row-scaled, swiglu) against float64 numpy (interpret mode on a CPU;
+compiled with -m gpu)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped import grouped_gemm, tile_schedule
+from pallas_kernels.grouped import grouped_gemm, grouped_gemm_swiglu, tile_schedule
+from pallas_kernels.reference import grouped_gemm_ref, grouped_gemm_swiglu_ref
 
 CASES = [  # (rows per group, N, K, block_m, block_n)
     ([1, 0, 2, 0, 0, 3, 0, 0], 96, 256, 16, 64),  # decode: a few rows, most experts idle, N not a multiple of 64
@@ -56,6 +58,110 @@ def test_grouped_gemm_interpret(sizes, n, k, block_m, block_n, fp8):
     check(sizes, n, k, block_m, block_n, fp8)
 
 
+def _silu(a):
+    return a / (1 + np.exp(-a))
+
+
+def check_fused(sizes, n, k, block_m, block_n, fp8, extra_rows=3):
+    """grouped_gemm_swiglu and grouped_gemm with row_scale against float64."""
+    rng = np.random.default_rng(sum(sizes) + n + 1)
+    x, w1, s1 = _inputs(rng, sizes, n, k, extra_rows, fp8)
+    _, w3, s3 = _inputs(rng, sizes, n, k, extra_rows, fp8)
+    scales = () if not fp8 else (jnp.asarray(s1), jnp.asarray(s3))
+    group_sizes, used = jnp.array(sizes, jnp.int32), sum(sizes)
+    got = np.asarray(grouped_gemm_swiglu(x, w1, w3, group_sizes, *scales, block_m=block_m, block_n=block_n))
+    xs = np.asarray(x)[:used]
+    expected = _silu(float64_oracle(xs, w1, sizes, s1)) * float64_oracle(xs, w3, sizes, s3)
+    assert got.dtype == np.float32
+    rel = np.linalg.norm(got[:used] - expected) / np.linalg.norm(expected)
+    assert rel < 1e-5, rel
+    assert not np.any(got[used:]), "rows past the groups must be zero"
+    row_scale = jnp.asarray(rng.uniform(-2, 2, x.shape[0]), jnp.float32)
+    got = np.asarray(grouped_gemm(x, w1, group_sizes, s1 if s1 is None else jnp.asarray(s1), row_scale=row_scale,
+                                  block_m=block_m, block_n=block_n))
+    expected = float64_oracle(xs, w1, sizes, s1) * np.asarray(row_scale, np.float64)[:used, None]
+    rel = np.linalg.norm(got[:used] - expected) / np.linalg.norm(expected)
+    assert rel < 1e-5, rel
+    assert not np.any(got[used:]), "rows past the groups must be zero"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("sizes, n, k, block_m, block_n", CASES)
+def test_swiglu_and_row_scale_interpret(sizes, n, k, block_m, block_n, fp8):
+    check_fused(sizes, n, k, block_m, block_n, fp8)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_swiglu_bf16_matches_its_twin(fp8):
+    """bfloat16 x (and weights, or fp8 ones dequantised to bfloat16): h in bfloat16, as the twin."""
+    rng = np.random.default_rng(7)
+    sizes = [1, 0, 2, 0, 0, 3, 0, 0]
+    x, w1, s1 = _inputs(rng, sizes, 96, 256, 2, fp8, dtype=jnp.bfloat16)
+    _, w3, s3 = _inputs(rng, sizes, 96, 256, 2, fp8, dtype=jnp.bfloat16)
+    scales = () if not fp8 else (jnp.asarray(s1), jnp.asarray(s3))
+    group_sizes = jnp.array(sizes, jnp.int32)
+    got = grouped_gemm_swiglu(x, w1, w3, group_sizes, *scales)
+    want = grouped_gemm_swiglu_ref(x, w1, w3, group_sizes, *scales)
+    assert got.dtype == jnp.bfloat16 and want.dtype == jnp.bfloat16
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    assert not np.any(got[sum(sizes):])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_kernels_read_a_layer_of_a_weight_stack(fp8):
+    """swiglu and row-scaled down kernels with `layer` read w[layer] of (L, G, N, K) stacks."""
+    rng = np.random.default_rng(9)
+    sizes, n, k, layers = [2, 0, 3], 160, 256, 3
+    x = jnp.asarray(rng.standard_normal((6, k)), jnp.float32)
+    stacks = []
+    for _ in range(2):
+        w = rng.standard_normal((layers, len(sizes), n, k)).astype(np.float32)
+        scale = None
+        if fp8:
+            w = (w * 40).astype(jnp.float8_e4m3fn)
+            scale = rng.uniform(0.001, 0.05, (layers, len(sizes), 2, k // 128)).astype(np.float32)
+        stacks.append((jnp.asarray(w), scale))
+    (w1, s1), (w3, s3) = stacks
+    scales = () if not fp8 else (jnp.asarray(s1), jnp.asarray(s3))
+    row_scale = jnp.asarray(rng.uniform(0, 1, 6), jnp.float32)
+    group_sizes = jnp.array(sizes, jnp.int32)
+    for layer in (0, 2):
+        pick = lambda s: None if s is None else s[layer]  # noqa: E731
+        got = np.asarray(grouped_gemm_swiglu(x, w1, w3, group_sizes, *scales, layer=jnp.int32(layer)))
+        expected = (_silu(float64_oracle(x[:5], w1[layer], sizes, pick(s1)))
+                    * float64_oracle(x[:5], w3[layer], sizes, pick(s3)))
+        assert np.linalg.norm(got[:5] - expected) / np.linalg.norm(expected) < 1e-5
+        got = np.asarray(grouped_gemm(x, w1, group_sizes, None if s1 is None else jnp.asarray(s1),
+                                      layer=jnp.int32(layer), row_scale=row_scale))
+        expected = float64_oracle(x[:5], w1[layer], sizes, pick(s1)) * np.asarray(row_scale, np.float64)[:5, None]
+        assert np.linalg.norm(got[:5] - expected) / np.linalg.norm(expected) < 1e-5
+        assert not np.any(got[5:])
+
+
+def test_twins_inside_shard_map_match_the_kernels():
+    """Inside shard_map on a CPU the wrappers compute the jnp twins: they agree with the kernels."""
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(11)
+    sizes = [0, 3, 1, 0]
+    x, w1, _ = _inputs(rng, sizes, 128, 128, 1)
+    _, w3, _ = _inputs(rng, sizes, 128, 128, 1)
+    row_scale = jnp.asarray(rng.uniform(0, 1, x.shape[0]), jnp.float32)
+    group_sizes = jnp.array(sizes, jnp.int32)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+
+    def both(x, w1, w3, g, r):
+        h = grouped_gemm_swiglu(x, w1, w3, g)
+        return h, grouped_gemm(h, w3, g, row_scale=r)  # w3 stands in for a (G, dim, inter) down weight
+
+    sharded = jax.jit(jax.shard_map(lambda *a: both(*a), mesh=mesh, in_specs=(P("model"),) * 5,
+                                    out_specs=(P("model"), P("model"))))
+    for got, want in zip(sharded(x, w1, w3, group_sizes, row_scale), both(x, w1, w3, group_sizes, row_scale)):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+
+
 def test_layer_of_a_weight_stack():
     """With `layer`, the kernel reads w[layer] of a (L, G, N, K) stack itself."""
     rng = np.random.default_rng(5)
@@ -97,6 +203,16 @@ def test_errors_name_the_argument(kwargs, message):
         grouped_gemm(**kwargs)
 
 
+def test_fused_errors_name_the_argument():
+    x, w, sizes = jnp.zeros((4, 128)), jnp.zeros((2, 8, 128)), jnp.zeros(2, jnp.int32)
+    with pytest.raises(ValueError, match="row_scale"):
+        grouped_gemm(x, w, sizes, row_scale=jnp.zeros((3,)))
+    with pytest.raises(ValueError, match="grouped_gemm_swiglu: w1 and w3"):
+        grouped_gemm_swiglu(x, w, jnp.zeros((2, 16, 128)), sizes)
+    with pytest.raises(ValueError, match="grouped_gemm_swiglu: x has last dim"):
+        grouped_gemm_swiglu(jnp.zeros((4, 100)), jnp.zeros((2, 8, 100)), jnp.zeros((2, 8, 100)), sizes)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_grouped_gemm_compiled_on_gpu(fp8):
@@ -119,3 +235,18 @@ def test_grouped_gemm_bf16_on_gpu():
     expected = float64_oracle(np.asarray(x, np.float32), np.asarray(w, np.float32), sizes)
     assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 1e-2
     assert jax.devices()[0].platform == "gpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_swiglu_and_row_scale_compiled_on_gpu(fp8):
+    for sizes, n, k, block_m, block_n in CASES + [([1] * 6 + [0] * 58, 1408, 2048, 16, 64),
+                                                   ([2, 0, 7, 1] * 8, 2048, 1408, 16, 32)]:
+        check_fused(sizes, n, k, block_m, block_n, fp8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_kernels_on_gpu(fp8):
+    test_swiglu_bf16_matches_its_twin(fp8)
+    test_fused_kernels_read_a_layer_of_a_weight_stack(fp8)

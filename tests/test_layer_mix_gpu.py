@@ -1,10 +1,11 @@
 """GPU: every mix of dense and MoE layers runs prefill and decode, with bf16 and fp8 weights and both
-gemm_impls, and the routed-expert paths (Pallas grouped kernel, `ragged_dot`) give the same logits.
+gemm_impls, and the routed-expert paths (Pallas grouped kernel, the fused swiglu + row-scaled down
+kernels, `ragged_dot`) give the same logits; `test_fused_decode_time` times kernel vs fused decode.
 
 Regression guard for the fp8 crash of one V3 MoE layer: Pallas' Triton lowering addressed a 1-byte
 ref of 2^31..2^32 elements (256 experts x 2048 x 7168 fp8) with 32-bit offsets, so one MoE layer
 faulted (CUDA_ERROR_ILLEGAL_ADDRESS) and two gave NaN. `test_v3_expert_stack_fp8` runs that size.
-Run on the device: `pytest -m gpu tests/test_layer_mix_gpu.py`.
+Run on the device: `pytest -m gpu -s tests/test_layer_mix_gpu.py` (-s shows the timings).
 """
 from __future__ import annotations
 
@@ -44,15 +45,15 @@ def prefill_and_decode(model, batch: int = 2, length: int = 40, steps: int = 2) 
 
 def compare_moe_impls(args: ModelArgs, gemm_impl: str) -> None:
     kernel = dsv3_jax.build(args, seed=0, gemm_impl=gemm_impl, moe_impl="kernel")
-    ragged = dsv3_jax.Model(args, kernel.graphdef, kernel.state, kernel.mesh,
-                            dsv3_jax.RunOptions.make(kernel.options, moe_impl="ragged"))
-    got = prefill_and_decode(kernel)
-    kernel.cache = None
-    want = prefill_and_decode(ragged)
-    for step, (g, w) in enumerate(zip(got, want)):
-        assert np.isfinite(g).all() and np.isfinite(w).all(), f"non-finite logits at step {step}"
-        rel = np.linalg.norm(g - w) / np.linalg.norm(w)
-        assert rel < 2e-2, f"step {step}: kernel vs ragged relative L2 {rel:.2e}"
+    variant = lambda impl: dsv3_jax.Model(args, kernel.graphdef, kernel.state, kernel.mesh,  # noqa: E731
+                                          dsv3_jax.RunOptions.make(kernel.options, moe_impl=impl))
+    want = prefill_and_decode(variant("ragged"))
+    for name, model in (("kernel", kernel), ("fused", variant("fused"))):
+        got = prefill_and_decode(model)
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert np.isfinite(g).all() and np.isfinite(w).all(), f"{name}: non-finite logits at step {step}"
+            rel = np.linalg.norm(g - w) / np.linalg.norm(w)
+            assert rel < 2e-2, f"step {step}: {name} vs ragged relative L2 {rel:.2e}"
 
 
 @pytest.mark.parametrize("weights, gemm_impl", COMBOS)
@@ -75,3 +76,29 @@ def test_v3_expert_stack_fp8(dense, moe, gemm_impl):
     assert args.quantized
     compare_moe_impls(args, gemm_impl)
     jax.clear_caches()
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_fused_decode_time(weights):
+    """V2-Lite's MoE shape (64 experts, top-6, 2048 x 1408), 1 dense + 4 MoE layers: ms per b=1 decode
+    step of moe_impl kernel vs fused (printed; the fused path must not be slower by more than noise)."""
+    import time
+
+    args = ModelArgs.from_reference_json(CONFIGS / "config_16B.json").replace(
+        n_layers=5, n_dense_layers=1, inter_dim=11008, dtype=weights, max_batch_size=1, max_seq_len=128)  # 128-multiple
+    kernel = dsv3_jax.build(args, seed=0, gemm_impl="fp8" if weights == "fp8" else "bf16", moe_impl="kernel")
+    times = {}
+    for impl in ("kernel", "fused", "kernel", "fused"):  # interleaved: the second round is the one kept
+        model = dsv3_jax.Model(args, kernel.graphdef, kernel.state, kernel.mesh,
+                               dsv3_jax.RunOptions.make(kernel.options, moe_impl=impl))
+        token, position, last = np.zeros((1, 1), np.int32), np.full((1,), 64, np.int32), np.zeros((1,), np.int32)
+        logits, model.cache = model.step(model.state, model.cache, token, position, last, kv_len=128)
+        jax.block_until_ready(logits)
+        start, steps = time.perf_counter(), 50
+        for _ in range(steps):
+            logits, model.cache = model.step(model.state, model.cache, token, position, last, kv_len=128)
+        jax.block_until_ready(logits)
+        times[impl] = (time.perf_counter() - start) / steps * 1e3
+    print(f"\nV2-Lite MoE shape, 1 dense + 4 MoE layers, {weights}, decode b=1: "
+          f"kernel {times['kernel']:.3f} ms, fused {times['fused']:.3f} ms per step")
+    assert times["fused"] < 1.2 * times["kernel"]
