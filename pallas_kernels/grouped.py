@@ -34,6 +34,7 @@ from ._common import BLOCK, FP8, cdiv, fail, interpret_in_shard_map, match_vma, 
 from .reference import grouped_gemm_ref, grouped_gemm_swiglu_ref  # noqa: F401 (re-exported)
 
 _FN = "grouped_gemm"
+SHARED_MEMORY_BYTES = 232_448  # the most dynamic shared memory one block may use on sm_90 (H100, H200)
 
 
 def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None,
@@ -114,6 +115,11 @@ def _grouped(fn, x, ws, scales, group_sizes, layer, row_scale, swiglu, out_dtype
         operands.append(jnp.pad(row_scale, (0, block_m)))
     operands = match_vma(vma, *operands)
     zeros = match_vma(vma, jnp.zeros((m + block_m, n), out_dtype))[0]
+    # Triton keeps num_stages copies of a K step's tiles in shared memory: with two weights and tall
+    # tiles three stages need more than a Hopper block may have (e.g. swiglu at 64 x 128 in bf16:
+    # 3 x 80 KiB), so the pipeline is cut to what fits
+    stage_bytes = block_m * BLOCK * x.dtype.itemsize + len(ws) * block_n * BLOCK * (1 if fp8 else w.dtype.itemsize)
+    num_stages = max(1, min(num_stages, SHARED_MEMORY_BYTES // stage_bytes))
     kernel = functools.partial(_kernel, n=n, k=k, block_m=block_m, block_n=block_n, fp8=fp8,
                                n_weights=len(ws), row_scale=row_scale is not None, swiglu=swiglu)
     out = pl.pallas_call(
