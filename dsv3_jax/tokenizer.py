@@ -14,6 +14,29 @@ import jinja2.sandbox
 import tokenizers
 
 
+# DeepSeek-V3's special tokens and chat template, which the project's own small tokenizers (the
+# tiny test model's, the demo model's) follow so that they load and chat like the real one
+BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('roles must be system, user or assistant') }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+)
+
+
+def hf_tokenizer_config() -> dict:
+    """tokenizer_config.json for a tokenizer with those special tokens and that chat template."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
+            "add_bos_token": True, "add_eos_token": False, "model_max_length": 4096,
+            "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
+
+
 class TokenizerError(ValueError):
     """Tokenizer files that are missing or do not describe a usable tokenizer."""
 

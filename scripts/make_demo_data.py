@@ -31,23 +31,13 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from dsv3_jax.tokenizer import ASSISTANT, BOS, EOS, USER, hf_tokenizer_config
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_STDLIB = Path.home() / ".pyenv" / "versions" / "3.12.1" / "lib" / "python3.12"
 OUT = ROOT / "data" / "pystdlib"
 VOCAB_SIZE = 8192
 HELDOUT_PERCENT = 5
-BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}"
-    "{% elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + eos_token }}"
-    "{% else %}{{ raise_exception('roles must be system, user or assistant') }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
-)
 
 
 def is_heldout(relative_path: str) -> bool:
@@ -82,12 +72,6 @@ def train_tokenizer(texts: list[str]) -> tokenizers.Tokenizer:
     return tokenizer
 
 
-def tokenizer_config() -> dict:
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
-            "add_bos_token": True, "add_eos_token": False, "model_max_length": 4096,
-            "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
-
-
 def encode_split(tokenizer: tokenizers.Tokenizer, texts: list[str]) -> np.ndarray:
     bos, eos = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
     pieces = []
@@ -106,7 +90,7 @@ def make_data(stdlib: Path, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(out / "tokens.npz", train=train_ids, heldout=heldout_ids)
     (out / "tokenizer.json").write_text(tokenizer.to_str() + "\n", encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n",
+    (out / "tokenizer_config.json").write_text(json.dumps(hf_tokenizer_config(), indent=2, ensure_ascii=False) + "\n",
                                                encoding="utf-8")
     licence = stdlib / "LICENSE.txt"
     if licence.is_file():

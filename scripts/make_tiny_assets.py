@@ -26,23 +26,12 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from dsv3_jax.schema import expected_tensors, hf_name
 from dsv3_jax.config import ModelArgs
+from dsv3_jax.schema import expected_tensors, hf_name
+from dsv3_jax.tokenizer import ASSISTANT, BOS, EOS, USER, hf_tokenizer_config
 
 OUT = Path(__file__).resolve().parents[1] / "dsv3_jax" / "assets" / "tiny"
-BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 VOCAB_SIZE = 1024
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}"
-    "{% elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + eos_token }}"
-    "{% else %}{{ raise_exception('roles must be system, user or assistant') }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
-)
 HF_CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": VOCAB_SIZE,
     "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 3,
@@ -131,12 +120,6 @@ def train_tokenizer(pairs: list[tuple[str, str]]) -> tokenizers.Tokenizer:
     if tokenizer.get_vocab_size() != VOCAB_SIZE:
         raise RuntimeError(f"the corpus gave {tokenizer.get_vocab_size()} tokens, not {VOCAB_SIZE}")
     return tokenizer
-
-
-def tokenizer_config() -> dict:
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
-            "add_bos_token": True, "add_eos_token": False, "model_max_length": 4096,
-            "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
 
 
 # ----------------------------------------------------------------------------------------- model
@@ -239,7 +222,7 @@ def make_assets(out: Path) -> None:
         staging.mkdir()
         (staging / "config.json").write_text(json.dumps(HF_CONFIG, indent=2) + "\n")
         (staging / "tokenizer_config.json").write_text(
-            json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            json.dumps(hf_tokenizer_config(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         (staging / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         if out.exists():
