@@ -27,6 +27,7 @@ from .rope import inverse_frequencies, rotary_angles
 from .safetensors_io import CheckpointError, TensorIndex
 from .schema import MTP_STATE, hf_name, mtp_probe, rank_files, with_gate_bias
 from .sharding import check_divisible, make_mesh, named_shardings, partition_specs
+from .speculative import generate_mtp, make_mtp_steps
 
 
 def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, options: RunOptions):
@@ -73,7 +74,6 @@ class Model:
         if not self.has_mtp:
             raise ValueError("this model has no MTP module: load it with mtp=True (or build(..., mtp=True))")
         if self._mtp_steps is None:
-            from .speculative import make_mtp_steps
             self._mtp_steps = make_mtp_steps(self.graphdef, partition_specs(self.state), self.args, self.mesh,
                                              self.options)
         return self._mtp_steps
@@ -121,7 +121,6 @@ class Model:
         `dsv3_jax.speculative`); `stats` (a dict) then receives the drafts' acceptance rate.
         """
         if mtp:
-            from .speculative import generate_mtp
             self.mtp_steps  # noqa: B018 (the clear error of a model without MTP)
             return generate_mtp(self, prompt_tokens, max_new_tokens, eos_id, temperature, seed, top_k=top_k,
                                 top_p=top_p, on_tokens=on_tokens, stats=stats)

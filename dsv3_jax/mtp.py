@@ -22,6 +22,7 @@ from .layers import Linear, RMSNorm
 from .model import Block
 from .moe import MoE
 from .options import StepContext
+from .safetensors_io import CheckpointError, TensorIndex
 from .schema import hf_name
 
 
@@ -97,8 +98,6 @@ def load_mtp(directory: str | Path, args: ModelArgs, *, param_dtype=jnp.bfloat16
     """The MTP module of a Hugging Face checkpoint (layer `num_hidden_layers`), on the default device.
 
     Tensors are cast to the module's dtypes (fp8 weights need `args.dtype == "fp8"`)."""
-    from .safetensors_io import CheckpointError, TensorIndex
-
     if args.n_mtp_layers < 1:
         raise CheckpointError(f"the config of {directory} has no MTP layer (num_nextn_predict_layers = 0)")
     index = TensorIndex(directory)

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .cache import cache_specs
 from .config import ModelArgs
-from .generate import Plan, Timing, _check_prompts, distribution, draw
+from .generate import Plan, Timing, _check_options, _check_prompts, distribution, draw
 from .options import RunOptions, StepContext
 from .rope import inverse_frequencies, rotary_angles
 
@@ -158,8 +158,6 @@ def make_mtp_steps(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: M
 def mtp_prefill(model, prompt_tokens, max_new_tokens: int, *, eos_id: int | None = None, temperature: float = 1.0,
                 seed: int = 0, top_k: int = 0, top_p: float = 1.0, window: int = 0) -> tuple[SpecState, Plan]:
     """Prefill the main and MTP caches, sample the first tokens and draft the next: (state, plan)."""
-    from .generate import _check_options
-
     prompts = _check_prompts(model, prompt_tokens)
     _check_options(model, max_new_tokens, temperature, top_k, top_p, seed)
     plan = Plan.make([len(p) for p in prompts], max_new_tokens, model.args.max_seq_len, top_k=top_k,

@@ -37,6 +37,21 @@ def hf_tokenizer_config() -> dict:
             "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
 
 
+def train_byte_level_bpe(texts, vocab_size: int, min_frequency: int) -> tokenizers.Tokenizer:
+    """A byte-level BPE with those special tokens, trained on `texts` to exactly `vocab_size` entries."""
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer.post_processor = tokenizers.processors.ByteLevel(trim_offsets=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
+                                             special_tokens=[BOS, EOS, USER, ASSISTANT],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"the corpus gave {tokenizer.get_vocab_size()} tokens, not {vocab_size}")
+    return tokenizer
+
+
 class TokenizerError(ValueError):
     """Tokenizer files that are missing or do not describe a usable tokenizer."""
 

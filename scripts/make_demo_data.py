@@ -29,9 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from dsv3_jax.tokenizer import ASSISTANT, BOS, EOS, USER, hf_tokenizer_config
+from dsv3_jax.tokenizer import BOS, EOS, hf_tokenizer_config, train_byte_level_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_STDLIB = Path.home() / ".pyenv" / "versions" / "3.12.1" / "lib" / "python3.12"
@@ -58,20 +57,6 @@ def corpus_files(stdlib: Path) -> list[tuple[str, str]]:
     return files, skipped
 
 
-def train_tokenizer(texts: list[str]) -> tokenizers.Tokenizer:
-    tokenizer = tokenizers.Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, min_frequency=2, show_progress=False,
-                                  special_tokens=[BOS, EOS, USER, ASSISTANT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    if tokenizer.get_vocab_size() != VOCAB_SIZE:
-        raise RuntimeError(f"the corpus gave {tokenizer.get_vocab_size()} tokens, not {VOCAB_SIZE}")
-    return tokenizer
-
-
 def encode_split(tokenizer: tokenizers.Tokenizer, texts: list[str]) -> np.ndarray:
     bos, eos = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
     pieces = []
@@ -84,7 +69,7 @@ def make_data(stdlib: Path, out: Path) -> dict:
     files, skipped = corpus_files(stdlib)
     train = [(rel, text) for rel, text in files if not is_heldout(rel)]
     heldout = [(rel, text) for rel, text in files if is_heldout(rel)]
-    tokenizer = train_tokenizer([text for _, text in train])
+    tokenizer = train_byte_level_bpe([text for _, text in train], VOCAB_SIZE, min_frequency=2)
     train_ids = encode_split(tokenizer, [t for _, t in train])
     heldout_ids = encode_split(tokenizer, [t for _, t in heldout])
     out.mkdir(parents=True, exist_ok=True)

@@ -24,11 +24,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.schema import expected_tensors, hf_name
-from dsv3_jax.tokenizer import ASSISTANT, BOS, EOS, USER, hf_tokenizer_config
+from dsv3_jax.tokenizer import ASSISTANT, BOS, EOS, USER, hf_tokenizer_config, train_byte_level_bpe
 
 OUT = Path(__file__).resolve().parents[1] / "dsv3_jax" / "assets" / "tiny"
 VOCAB_SIZE = 1024
@@ -108,18 +107,8 @@ def chats(seed: int = 0) -> list[tuple[str, str]]:
 
 # ------------------------------------------------------------------------------------- tokenizer
 def train_tokenizer(pairs: list[tuple[str, str]]) -> tokenizers.Tokenizer:
-    tokenizer = tokenizers.Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, min_frequency=1, show_progress=False,
-                                  special_tokens=[BOS, EOS, USER, ASSISTANT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     texts = [text for pair in pairs for text in pair] + [PROSE] * 4
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    if tokenizer.get_vocab_size() != VOCAB_SIZE:
-        raise RuntimeError(f"the corpus gave {tokenizer.get_vocab_size()} tokens, not {VOCAB_SIZE}")
-    return tokenizer
+    return train_byte_level_bpe(texts, VOCAB_SIZE, min_frequency=1)
 
 
 # ----------------------------------------------------------------------------------------- model
