@@ -7,15 +7,18 @@ on the device(s). At b=1 and b=8 it times, after a prefill to --context tokens:
   spec    the fused speculative step (verify 2 tokens + accept + MTP draft), what generate(mtp=True) runs
 and prints spec / plain (target: <= 1.2 at b=1).
 
-Part 2 (with --demo DIR --prompts FILE): a trained checkpoint with an MTP layer (dsv3_jax/assets/demo),
-greedy tokens/s with and without MTP on held-out prompts (one per line), and the acceptance rate.
+Part 2 (with --demo DIR): a trained checkpoint with an MTP layer (dsv3_jax/assets/demo), greedy
+tokens/s with and without MTP on held-out prompts, and the acceptance rate. The prompts are the
+first --prompt-tokens tokens of --demo-prompts windows of the held-out split (data/pystdlib/tokens.npz,
+files the demo model never saw), or the lines of --prompts FILE.
 
-    python scripts/bench_mtp.py --config configs/config_671B.json --layers 4 --gemm-impl fp8
-    python scripts/bench_mtp.py --demo dsv3_jax/assets/demo --prompts held_out.txt --skip-shape
+    python scripts/bench_mtp.py --config configs/config_671B.json --layers 4 --gemm-impl fp8 --out mtp.json
+    python scripts/bench_mtp.py --demo dsv3_jax/assets/demo --skip-shape
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -30,6 +33,8 @@ from dsv3_jax.generate import Plan
 from dsv3_jax.options import add_flags, from_flags
 from dsv3_jax.speculative import mtp_prefill
 
+HELDOUT = Path(__file__).resolve().parent.parent / "data" / "pystdlib" / "tokens.npz"
+
 
 def timed(fn, repeats: int) -> float:
     """Median seconds of fn() (which returns something to block on), after two warm-up calls."""
@@ -43,7 +48,7 @@ def timed(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def bench_shape(cli) -> None:
+def bench_shape(cli, results: list) -> None:
     args = ModelArgs.from_file(cli.config)
     dense = min(args.n_dense_layers, cli.layers - 1) if args.n_routed_experts else cli.layers
     args = args.replace(n_layers=cli.layers, n_dense_layers=dense, n_mtp_layers=1, max_batch_size=max(cli.batches),
@@ -77,20 +82,30 @@ def bench_shape(cli) -> None:
             return new.out
 
         t_plain, t_verify, t_spec = (timed(f, cli.repeats) for f in (plain, verify, spec))
+        results.append({"part": "shape", "config": str(cli.config), "layers": cli.layers, "dense_layers": dense,
+                        "dtype": args.dtype, "gemm_impl": cli.gemm_impl, "batch": batch, "context": cli.context,
+                        "plain_ms": t_plain * 1e3, "verify2_ms": t_verify * 1e3, "spec_ms": t_spec * 1e3,
+                        "spec_over_plain": t_spec / t_plain})
         print(f"b={batch}: plain {t_plain * 1e3:.3f} ms, verify(2) {t_verify * 1e3:.3f} ms "
               f"({t_verify / t_plain:.2f}x), verify+draft {t_spec * 1e3:.3f} ms ({t_spec / t_plain:.2f}x; "
               f"target <= 1.2x at b=1)")
 
 
-def bench_demo(cli) -> None:
+def bench_demo(cli, results: list) -> None:
     from dsv3_jax.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(cli.demo)
-    prompts = [line for line in Path(cli.prompts).read_text().splitlines() if line.strip()]
-    batch = min(len(prompts), cli.demo_batch)
+    if cli.prompts is not None:
+        prompts = [line for line in Path(cli.prompts).read_text().splitlines() if line.strip()]
+        ids = [tokenizer.encode(p)[-cli.max_seq_len // 2:] for p in prompts]
+    else:
+        with np.load(HELDOUT) as data:
+            heldout = data["heldout"]
+        starts = np.linspace(0, len(heldout) - cli.prompt_tokens, cli.demo_prompts).astype(int)
+        ids = [heldout[s:s + cli.prompt_tokens].astype(int).tolist() for s in starts]
+    batch = min(len(ids), cli.demo_batch)
     model = dsv3_jax.load(cli.demo, mtp=True, max_batch_size=batch, max_seq_len=cli.max_seq_len,
                           options=from_flags(cli), num_devices=cli.num_devices or jax.device_count())
-    ids = [tokenizer.encode(p)[-cli.max_seq_len // 2:] for p in prompts]
     for mtp in (False, True):
         tokens = seconds = drafts = accepted = 0
         model.generate(ids[:batch], cli.new_tokens, -1, 0.0, mtp=mtp)  # compile
@@ -103,6 +118,9 @@ def bench_demo(cli) -> None:
             tokens += sum(len(o) for o in out)
             drafts += stats.get("drafts", 0)
             accepted += stats.get("accepted", 0)
+        results.append({"part": "demo", "checkpoint": str(cli.demo), "batch": batch, "prompts": len(ids),
+                        "new_tokens": cli.new_tokens, "mtp": mtp, "tokens_per_s": tokens / seconds,
+                        "acceptance": accepted / max(drafts, 1) if mtp else None})
         extra = f", acceptance {accepted / max(drafts, 1):.3f}" if mtp else ""
         print(f"demo b<={batch} {'MTP ' if mtp else 'plain'}: {tokens / seconds:.1f} tokens/s{extra}")
 
@@ -121,13 +139,20 @@ def main() -> None:
     parser.add_argument("--demo", type=Path, default=None)
     parser.add_argument("--prompts", type=Path, default=None)
     parser.add_argument("--demo-batch", type=int, default=1)
+    parser.add_argument("--demo-prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     parser.add_argument("--new-tokens", type=int, default=128)
     add_flags(parser)
     cli = parser.parse_args()
+    results: list = []
     if not cli.skip_shape:
-        bench_shape(cli)
+        bench_shape(cli, results)
     if cli.demo is not None:
-        bench_demo(cli)
+        bench_demo(cli, results)
+    if cli.out is not None:
+        cli.out.write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                                       "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,31 @@ def scope_of(label: str) -> str:
     return "other"
 
 
+def scopes_of_instructions(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> paper-noun scope, from the `op_name` metadata of the compiled module (the
+    trace names a kernel after its fusion or custom call; a fusion is credited to its instructions' scope)."""
+    scopes: dict[str, str] = {}
+    computation_scope: dict[str, str] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        header = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->.*\{\s*$", line)
+        if header:
+            current = header.group(1)
+            continue
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
+        if not m:
+            continue
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        scope = scope_of(op_name.group(1)) if op_name else "other"
+        calls = re.search(r"calls=%?([\w.\-]+)", line)
+        if scope == "other" and calls:
+            scope = computation_scope.get(calls.group(1), "other")
+        scopes[m.group(1)] = scope
+        if current and scope != "other":
+            computation_scope.setdefault(current, scope)
+    return scopes
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
@@ -66,6 +91,9 @@ def main() -> None:
         jax.block_until_ready(state["logits"])
 
     run(5)  # compile and warm up
+    hlo = model.step.lower(model.state, model.cache, greedy(state["logits"]), state["pos"], zeros,
+                           kv_len=window).compile().as_text()
+    instruction_scope = scopes_of_instructions(hlo)
     t0 = time.perf_counter()
     run(o.steps)
     wall = (time.perf_counter() - t0) / o.steps  # timed outside the profiler
@@ -82,6 +110,8 @@ def main() -> None:
             a = e.get("args", {})
             label = " ".join(str(a.get(k, "")) for k in ("tf_op", "long_name", "hlo_op", "name"))
             scope = scope_of(label)
+            if scope == "other":
+                scope = instruction_scope.get(e["name"], instruction_scope.get(a.get("hlo_op", ""), "other"))
             row = kernels[e["name"]]
             row["count"] += 1
             row["us"] += e.get("dur", 0.0)
