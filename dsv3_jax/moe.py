@@ -92,16 +92,18 @@ def _fp8_activations(x: jnp.ndarray, scale_fmt: str | None, dtype) -> jnp.ndarra
     return blocks.reshape(x.shape).astype(dtype)
 
 
-def _kernel_tiles(rows: int, fp8: bool) -> dict:
-    """block_m, block_n of the grouped kernels: decode-sized batches get short row tiles; prefill
-    taller tiles, which re-read each expert less often (block_n <= 128 with fp8 weights)."""
-    block_m, block_n = (16, 64) if rows <= 1024 else (64, 128)
+def _kernel_tiles(rows: int, fp8: bool, one_row_tiles: bool = False) -> dict:
+    """block_m, block_n of the grouped kernels: decode-sized batches, and tiles of one row each
+    (`row_groups`), get short row tiles; prefill taller tiles, which re-read each expert less often
+    (block_n <= 128 with fp8 weights)."""
+    block_m, block_n = (16, 64) if rows <= 1024 or one_row_tiles else (64, 128)
     return dict(block_m=block_m, block_n=min(block_n, FP8_BLOCK) if fp8 else block_n)
 
 
-def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | None, group_sizes: jnp.ndarray,
+def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | None, group_sizes: jnp.ndarray | None,
                    *, gemm_impl: str = "bf16", scale_fmt: str | None = None, use_kernel: bool = False,
-                   stack_index=None, row_scale: jnp.ndarray | None = None) -> jnp.ndarray:
+                   stack_index=None, row_scale: jnp.ndarray | None = None,
+                   row_groups: jnp.ndarray | None = None) -> jnp.ndarray:
     """Rows of x (M, in), sorted by expert, times their expert's W^T (weight (E, out, in)) -> float32.
 
     group_sizes (E,) counts the rows of each expert; rows past their sum come out as zeros.
@@ -112,14 +114,16 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     in the kernel (exact for ue8m0 scales, within 2^-9 otherwise). With `stack_index` (kernel only),
     weight and scale are a stack over layers (L, E, out, in) of which layer `stack_index` is used.
     `row_scale` (M,) float32 multiplies each row's float32 result (in the kernel, before its store).
+    `row_groups` (M,) (kernel only) replaces group_sizes: rows in any order, each naming its expert.
     """
     if scale is not None and gemm_impl == "fp8":
         x = _fp8_activations(x, scale_fmt, x.dtype if use_kernel else jnp.float32)
     if use_kernel:
-        return grouped_gemm(x, weight, group_sizes, scale, layer=stack_index, out_dtype=jnp.float32,
-                            row_scale=row_scale, **_kernel_tiles(x.shape[0], scale is not None))
-    if stack_index is not None:
-        raise ValueError("grouped_matmul: a stack of layers' weights (`stack_index`) needs the kernel")
+        return grouped_gemm(x, weight, group_sizes, scale, row_groups=row_groups, layer=stack_index,
+                            out_dtype=jnp.float32, row_scale=row_scale,
+                            **_kernel_tiles(x.shape[0], scale is not None, row_groups is not None))
+    if stack_index is not None or row_groups is not None:
+        raise ValueError("grouped_matmul: a stack of layers' weights (`stack_index`) or `row_groups` needs the kernel")
     if scale is not None:
         # the jnp twin, not the Pallas kernel: vmapped over experts, the kernel would address a 1-byte
         # stack of 2^31..2^32 elements with 32-bit offsets (see pallas_kernels/grouped.py)
@@ -133,15 +137,16 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
 
 
 def grouped_swiglu(x: jnp.ndarray, w1: jnp.ndarray, w3: jnp.ndarray, scale1: jnp.ndarray | None,
-                   scale3: jnp.ndarray | None, group_sizes: jnp.ndarray, *, gemm_impl: str = "bf16",
-                   scale_fmt: str | None = None, stack_index=None) -> jnp.ndarray:
+                   scale3: jnp.ndarray | None, group_sizes: jnp.ndarray | None, *, gemm_impl: str = "bf16",
+                   scale_fmt: str | None = None, stack_index=None, row_groups: jnp.ndarray | None = None) -> jnp.ndarray:
     """silu(x W1_g^T) * (x W3_g^T) in x's dtype from one Pallas launch (`grouped_gemm_swiglu`):
     the "fused" routed-expert path's first half. Same arguments as `grouped_matmul` with
     use_kernel; with gemm_impl "fp8" and fp8 weights x is rounded through `act_quant` once."""
     if scale1 is not None and gemm_impl == "fp8":
         x = _fp8_activations(x, scale_fmt, x.dtype)
-    return grouped_gemm_swiglu(x, w1, w3, group_sizes, scale1, scale3, layer=stack_index, out_dtype=x.dtype,
-                               **_kernel_tiles(x.shape[0], scale1 is not None))
+    return grouped_gemm_swiglu(x, w1, w3, group_sizes, scale1, scale3, row_groups=row_groups, layer=stack_index,
+                               out_dtype=x.dtype,
+                               **_kernel_tiles(x.shape[0], scale1 is not None, row_groups is not None))
 
 
 class Experts(nnx.Module):
@@ -175,6 +180,9 @@ class Experts(nnx.Module):
         first = jax.lax.axis_index(MODEL_AXIS) * local_experts
         local_ids = indices.reshape(-1) - first
         mine = (local_ids >= 0) & (local_ids < local_experts)
+        moe_impl = ctx.options.moe_impl
+        if moe_impl == "slots":
+            return self._slots(x, weights, jnp.where(mine, local_ids, -1), ctx, stack_index)
         sort_key = jnp.where(mine, local_ids, local_experts)  # foreign assignments sort to the end
         order = jnp.argsort(sort_key, stable=True)
         token_of = order // topk
@@ -184,7 +192,6 @@ class Experts(nnx.Module):
         # only the experts in use, and without it, with few rows, the experts in use are gathered
         # first (ascending, like the sorted rows).
         in_dims = (self.w1.weight.shape[-1], self.w2.weight.shape[-1])
-        moe_impl = ctx.options.moe_impl
         if moe_impl == "auto":
             use_kernel = grouped_kernel_applies(in_dims)
             gather = not use_kernel and 2 * tokens * topk <= local_experts
@@ -224,6 +231,21 @@ class Experts(nnx.Module):
         out = gmm(self.w2, hidden) * weights.reshape(-1)[order][:, None]
         out = jnp.where(mine[order][:, None], out, 0.0)  # rows of other ranks' experts were not computed
         return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
+
+    def _slots(self, x, weights, slot_experts, ctx: StepContext, stack_index) -> jnp.ndarray:
+        """moe_impl "slots": the fused kernels over the (token, choice) slots in their own order,
+        one row each (`row_groups`), so no argsort, bincount, tile schedule or scatter-add runs;
+        slots of other ranks' experts (-1) come out zero. Each slot reads its expert's weights, so
+        experts chosen by several tokens are read several times: for steps of a few tokens."""
+        tokens, topk = weights.shape
+        stacked = stack_index if self.w1.weight.ndim == 4 else None
+        scale = lambda linear: None if linear.scale is None else linear.scale[...]  # noqa: E731
+        rows = jnp.repeat(x, topk, axis=0)
+        hidden = grouped_swiglu(rows, self.w1.weight[...], self.w3.weight[...], scale(self.w1), scale(self.w3),
+                                None, row_groups=slot_experts, **ctx.gemm, stack_index=stacked)
+        out = grouped_matmul(hidden, self.w2.weight[...], scale(self.w2), None, row_groups=slot_experts, **ctx.gemm,
+                             use_kernel=True, stack_index=stacked, row_scale=weights.reshape(-1).astype(jnp.float32))
+        return out.reshape(tokens, topk, -1).sum(axis=1)
 
 
 class MoE(nnx.Module):

@@ -32,10 +32,11 @@ class RunOptions:
                              "MLA: absorb wkv_b and cache the latent, or cache per-head keys and values")
     gemm_impl: str = _choice("bf16", ("bf16", "fp8"),
                              "fp8 weights: dequantise them, or quantise activations for the scaled fp8 GEMM")
-    moe_impl: str = _choice("auto", ("auto", "kernel", "fused", "gather", "ragged"),
+    moe_impl: str = _choice("auto", ("auto", "kernel", "fused", "slots", "gather", "ragged"),
                             "routed experts: the Pallas grouped GEMM, the same fused into two launches "
-                            "(w1+w3+silu*mul, w2+routing weights), a gather of the experts in use, "
-                            "or ragged_dot (auto: the kernel on a GPU)")
+                            "(w1+w3+silu*mul, w2+routing weights), those two over unsorted (token, expert) "
+                            "slots (no sort or scatter), a gather of the experts in use, or ragged_dot "
+                            "(auto: the kernel on a GPU)")
     decode_attn: str = _choice("xla", ("xla", "kernel"),
                                "absorbed attention of single-token steps: XLA einsums or the Pallas kernel")
     unroll: bool = dataclasses.field(default=False, metadata={"help": "unroll the layer scans (longer compile, "

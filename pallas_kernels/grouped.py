@@ -37,11 +37,17 @@ _FN = "grouped_gemm"
 SHARED_MEMORY_BYTES = 232_448  # the most dynamic shared memory one block may use on sm_90 (H100, H200)
 
 
-def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None,
-                 *, layer: jax.Array | int | None = None, row_scale: jax.Array | None = None,
-                 out_dtype=jnp.float32, block_m: int = 16, block_n: int = 64, num_warps: int = 4,
-                 num_stages: int = 3) -> jax.Array:
+def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None, w_scale: jax.Array | None = None,
+                 *, row_groups: jax.Array | None = None, layer: jax.Array | int | None = None,
+                 row_scale: jax.Array | None = None, out_dtype=jnp.float32, block_m: int = 16, block_n: int = 64,
+                 num_warps: int = 4, num_stages: int = 3) -> jax.Array:
     """Rows of x (M, K), sorted by group, times their group's w (G, N, K) transposed -> (M, N).
+
+    The groups of the rows come either as `group_sizes` (rows sorted by group) or as `row_groups`
+    (rows in any order, each naming its group): with `row_groups` every row is a tile of its own,
+    so no sort and no schedule is computed, at the price of reading a group's weights once per row
+    that names it. That suits a decode step of a few tokens, whose (token, choice) slots mostly
+    name distinct experts.
 
     Args:
       x: bfloat16/float32 (M, K), K a multiple of 128.
@@ -49,23 +55,25 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: ja
         With `layer`, w is a stack (L, G, N, K) (w_scale (L, G, ...)) and layer[()] picks one: the
         kernel indexes the stack itself, so a layer loop need not copy its slice out first.
       group_sizes: int32 (G,): rows of each group, in order; rows past their sum come out zero.
+      row_groups: int32 (M,), instead of group_sizes: the group of each row; rows naming no group
+        (< 0 or >= G, e.g. another rank's expert) come out zero.
       row_scale: optional float32 (M,): row r's float32 result is multiplied by row_scale[r] before
         the store (the MoE routing weight of the down projection, without a kernel of its own).
       block_m, block_n: rows and output columns per program (powers of two >= 16; block_n <= 128
         with an fp8 weight, so that one scale covers a tile's columns).
     """
-    return _grouped(_FN, x, (w,), (w_scale,), group_sizes, layer, row_scale, False, out_dtype,
-                    block_m, block_n, num_warps, num_stages)
+    return _grouped(_FN, x, (w,), (w_scale,), _groups(_FN, group_sizes, row_groups), layer, row_scale, False,
+                    out_dtype, block_m, block_n, num_warps, num_stages)
 
 
-def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array,
+def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array | None = None,
                         w1_scale: jax.Array | None = None, w3_scale: jax.Array | None = None, *,
-                        layer: jax.Array | int | None = None, out_dtype=None, block_m: int = 16,
+                        row_groups: jax.Array | None = None, layer: jax.Array | int | None = None, out_dtype=None, block_m: int = 16,
                         block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
     """The gated hidden state of routed experts in one launch: h = silu(x W1_g^T) * (x W3_g^T).
 
-    Same rows, groups, weight forms (bf16 or fp8 + 128x128 scales, optionally a layer stack with
-    `layer`) and tiles as `grouped_gemm`; w1 and w3 have one shape. Each program loads its x tile
+    Same rows, groups (`group_sizes` or `row_groups`), weight forms (bf16 or fp8 + 128x128 scales,
+    optionally a layer stack with `layer`) and tiles as `grouped_gemm`; w1 and w3 have one shape. Each program loads its x tile
     once and both weights' tiles of the same columns, keeps two float32 accumulators and applies
     silu(a1) * a3 in float32 before storing h in `out_dtype` (default: x's dtype). Rows past the
     groups come out zero.
@@ -73,14 +81,23 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
     if (w1_scale is None) != (w3_scale is None) or w1.shape != w3.shape or w1.dtype != w3.dtype:
         fail(_SWIGLU, f"w1 and w3 must have one shape and dtype and both or neither a scale; got {w1.shape} "
                       f"{w1.dtype} and {w3.shape} {w3.dtype}")
-    return _grouped(_SWIGLU, x, (w1, w3), (w1_scale, w3_scale), group_sizes, layer, None, True,
+    return _grouped(_SWIGLU, x, (w1, w3), (w1_scale, w3_scale), _groups(_SWIGLU, group_sizes, row_groups), layer,
+                    None, True,
                     x.dtype if out_dtype is None else out_dtype, block_m, block_n, num_warps, num_stages)
 
 
 _SWIGLU = "grouped_gemm_swiglu"
 
 
-def _grouped(fn, x, ws, scales, group_sizes, layer, row_scale, swiglu, out_dtype, block_m, block_n,
+def _groups(fn: str, group_sizes, row_groups) -> tuple[str, jax.Array]:
+    """("sizes", group_sizes) or ("rows", row_groups): exactly one of the two forms of the groups."""
+    if (group_sizes is None) == (row_groups is None):
+        fail(fn, "give the rows' groups either as group_sizes (rows sorted by group) or as row_groups, not "
+                 f"{'both' if row_groups is not None else 'neither'}")
+    return ("sizes", group_sizes) if row_groups is None else ("rows", row_groups)
+
+
+def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, block_m, block_n,
              num_warps, num_stages):
     """The shared wrapper: checks, the XLA fallback, the tile schedule and one pallas_call over
     weights `ws` (one for a plain GEMM, w1 and w3 for swiglu)."""
@@ -90,26 +107,31 @@ def _grouped(fn, x, ws, scales, group_sizes, layer, row_scale, swiglu, out_dtype
         fail(fn, f"w has shape {tuple(w.shape)}: a stack (L, G, N, K) goes with `layer`, (G, N, K) without")
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
     w_scale = scales[0]
-    m, k = _check(fn, x, w[0] if stacked else w, group_sizes, None if w_scale is None else
+    form, group_data = groups
+    m, k = _check(fn, x, w[0] if stacked else w, groups, None if w_scale is None else
                   (w_scale[0] if stacked else w_scale), block_m, block_n)
+    sizes, row_groups = (group_data, None) if form == "sizes" else (None, group_data)
     if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
         fail(fn, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 ({m},)")
     n = w.shape[-2]
     fp8 = w_scale is not None
     interpret = use_interpret()
-    if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, *ws, group_sizes):
+    if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, *ws, group_data):
         if stacked:
             pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
             ws, scales = tuple(map(pick, ws)), tuple(map(pick, scales))
         if swiglu:
-            return grouped_gemm_swiglu_ref(x, *ws, group_sizes, *scales, out_dtype=out_dtype)
-        return grouped_gemm_ref(x, ws[0], group_sizes, scales[0], out_dtype, row_scale=row_scale)
+            return grouped_gemm_swiglu_ref(x, *ws, sizes, *scales, out_dtype=out_dtype, row_groups=row_groups)
+        return grouped_gemm_ref(x, ws[0], sizes, scales[0], out_dtype, row_scale=row_scale, row_groups=row_groups)
     if not stacked:
         ws, scales = tuple(a[None] for a in ws), tuple(None if s is None else s[None] for s in scales)
     if fp8:
         ws, x = tuple(map(byte_pairs, ws)), even_odd_columns(x)
-    schedule, max_tiles = tile_schedule(group_sizes.astype(jnp.int32), m, block_m, layer)
-    vma = vma_union(x, *ws, group_sizes)
+    if form == "sizes":
+        schedule, max_tiles = tile_schedule(sizes.astype(jnp.int32), m, block_m, layer)
+    else:
+        schedule, max_tiles = row_schedule(row_groups.astype(jnp.int32), w.shape[-3], layer), m
+    vma = vma_union(x, *ws, group_data)
     operands = [schedule, jnp.pad(x, ((0, block_m), (0, 0))), *ws] + (list(scales) if fp8 else [])
     if row_scale is not None:
         operands.append(jnp.pad(row_scale, (0, block_m)))
@@ -176,6 +198,16 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tupl
     return jnp.stack([group, row, ends[group], exists, layers]).astype(jnp.int32), max_tiles
 
 
+def row_schedule(row_groups: jax.Array, groups: int, layer=0) -> jax.Array:
+    """The `tile_schedule` of rows that name their groups: tile r is row r alone (M tiles), and
+    exists iff the row names one of the `groups` groups."""
+    m = row_groups.shape[0]
+    rows = jnp.arange(m, dtype=jnp.int32)
+    exists = (row_groups >= 0) & (row_groups < groups)
+    return jnp.stack([jnp.clip(row_groups, 0, groups - 1), rows, rows + 1, exists.astype(jnp.int32),
+                      jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (m,))])
+
+
 def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu):
     """One (row tile, column tile) program. refs: the weights (n_weights), their scales (if fp8),
     row_scale (if given), the zeroed output buffer (aliased to the output), then the output."""
@@ -236,19 +268,24 @@ def _k_loop(x_ref, w_refs, scale_refs, layer, group, j, rows, cols, row_ok, col_
     return jax.lax.fori_loop(0, k // BLOCK, body, zeros)
 
 
-def _check(fn, x, w, group_sizes, w_scale, block_m, block_n) -> tuple[int, int]:
-    if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
-        fail(fn, f"expects x (M, K), w (G, N, K), group_sizes (G,); got {x.shape}, {w.shape}, {group_sizes.shape}")
+def _check(fn, x, w, groups_form, w_scale, block_m, block_n) -> tuple[int, int]:
+    form, group_data = groups_form
+    name = "group_sizes" if form == "sizes" else "row_groups"
+    if x.ndim != 2 or w.ndim != 3 or group_data.ndim != 1:
+        fail(fn, f"expects x (M, K), w (G, N, K), {name} ({'G' if form == 'sizes' else 'M'},); got {x.shape}, "
+                 f"{w.shape}, {group_data.shape}")
     m, k = x.shape
     groups, n, kw = w.shape
     if kw != k:
         fail(fn, f"w has shape {tuple(w.shape)}, expected (G, N, {k}) with K from x")
     if k % BLOCK:
         fail(fn, f"x has last dim K={k}, which must be a multiple of {BLOCK}")
-    if group_sizes.shape[0] != groups:
-        fail(fn, f"group_sizes has {group_sizes.shape[0]} entries for {groups} groups in w")
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        fail(fn, f"group_sizes has dtype {group_sizes.dtype}, expected an integer type")
+    if form == "sizes" and group_data.shape[0] != groups:
+        fail(fn, f"group_sizes has {group_data.shape[0]} entries for {groups} groups in w")
+    if form == "rows" and group_data.shape[0] != m:
+        fail(fn, f"row_groups has {group_data.shape[0]} entries for the {m} rows of x")
+    if not jnp.issubdtype(group_data.dtype, jnp.integer):
+        fail(fn, f"{name} has dtype {group_data.dtype}, expected an integer type")
     if x.dtype not in (jnp.bfloat16, jnp.float32, jnp.float16):
         fail(fn, f"x has dtype {x.dtype}, expected bfloat16, float16 or float32")
     for name, value in (("block_m", block_m), ("block_n", block_n)):

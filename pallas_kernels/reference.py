@@ -49,27 +49,36 @@ def fp8_gemm_ref(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out
     return c.astype(out_dtype).reshape(*lead, n)
 
 
-def grouped_gemm_ref(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None,
-                     out_dtype=jnp.float32, row_scale: jax.Array | None = None) -> jax.Array:
-    """`grouped_gemm`: dequantise (if fp8) to x's dtype, then `ragged_dot` in float32, times
+def grouped_gemm_ref(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None, w_scale: jax.Array | None = None,
+                     out_dtype=jnp.float32, row_scale: jax.Array | None = None,
+                     row_groups: jax.Array | None = None) -> jax.Array:
+    """`grouped_gemm`: dequantise (if fp8) to x's dtype, then `ragged_dot` in float32 (with
+    `row_groups`: each row times its own group's weight, rows naming no group zero), times
     row_scale[r] per row (if given), cast to out_dtype; rows past the groups are zero."""
     if w_scale is not None:
         full = jnp.repeat(jnp.repeat(w_scale, BLOCK, axis=1), BLOCK, axis=2)[:, : w.shape[1], : w.shape[2]]
         w = (w.astype(jnp.float32) * full).astype(x.dtype)
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    out = jax.lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), dims,
-                                     preferred_element_type=jnp.float32)
+    if row_groups is not None:
+        named = (row_groups >= 0) & (row_groups < w.shape[0])
+        per_row = jnp.take(w, jnp.clip(row_groups, 0, w.shape[0] - 1), axis=0).astype(x.dtype)
+        out = jnp.einsum("mk,mnk->mn", x, per_row, preferred_element_type=jnp.float32,
+                         precision=jax.lax.Precision.HIGHEST)
+        out = jnp.where(named[:, None], out, 0.0)
+    else:
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        out = jax.lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), dims,
+                                         preferred_element_type=jnp.float32)
     if row_scale is not None:
         out = out * row_scale.astype(jnp.float32)[:, None]
     return out.astype(out_dtype)
 
 
-def grouped_gemm_swiglu_ref(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array,
+def grouped_gemm_swiglu_ref(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array | None,
                             w1_scale: jax.Array | None = None, w3_scale: jax.Array | None = None,
-                            out_dtype=None) -> jax.Array:
+                            out_dtype=None, row_groups: jax.Array | None = None) -> jax.Array:
     """`grouped_gemm_swiglu`: silu(x W1_g^T) * (x W3_g^T) from float32 products, cast to out_dtype
-    (default x's dtype); rows past the groups are zero."""
-    a1 = grouped_gemm_ref(x, w1, group_sizes, w1_scale)
-    a3 = grouped_gemm_ref(x, w3, group_sizes, w3_scale)
+    (default x's dtype); rows past the groups (or naming none) are zero."""
+    a1 = grouped_gemm_ref(x, w1, group_sizes, w1_scale, row_groups=row_groups)
+    a3 = grouped_gemm_ref(x, w3, group_sizes, w3_scale, row_groups=row_groups)
     return (jax.nn.silu(a1) * a3).astype(x.dtype if out_dtype is None else out_dtype)

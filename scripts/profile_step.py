@@ -56,7 +56,7 @@ def scopes_of_instructions(hlo_text: str) -> dict[str, str]:
         calls = re.search(r"calls=%?([\w.\-]+)", line)
         if scope == "other" and calls:
             scope = computation_scope.get(calls.group(1), "other")
-        scopes[m.group(1)] = scope
+        scopes[m.group(1).replace(".", "_")] = scope  # the trace writes "fusion.7" as "fusion_7"
         if current and scope != "other":
             computation_scope.setdefault(current, scope)
     return scopes
@@ -111,7 +111,8 @@ def main() -> None:
             label = " ".join(str(a.get(k, "")) for k in ("tf_op", "long_name", "hlo_op", "name"))
             scope = scope_of(label)
             if scope == "other":
-                scope = instruction_scope.get(e["name"], instruction_scope.get(a.get("hlo_op", ""), "other"))
+                key = lambda name: str(name).replace(".", "_")  # noqa: E731
+                scope = instruction_scope.get(key(e["name"]), instruction_scope.get(key(a.get("hlo_op", "")), "other"))
             row = kernels[e["name"]]
             row["count"] += 1
             row["us"] += e.get("dur", 0.0)

@@ -1,5 +1,5 @@
 """moe_impl "fused" (w1+w3+silu*mul in one grouped launch, w2 with the routing weights in its
-accumulator) gives the logits of "ragged" on tiny models: 1 and 4 devices, bf16 and fp8 weights,
+accumulator) and "slots" (the same kernels over unsorted (token, expert) slots) give the logits of "ragged" on tiny models: 1 and 4 devices, bf16 and fp8 weights,
 both gemm_impls, prefill and decode. On a CPU inside shard_map the grouped kernels run as their
 jnp twins (see pallas_kernels/_common.interpret_in_shard_map); the kernels themselves are checked
 in interpret mode in tests/test_grouped_gemm.py, and on the GPU by tests/test_layer_mix_gpu.py."""
@@ -35,6 +35,7 @@ def prefill_and_decode(model, steps: int = 2) -> list[np.ndarray]:
     return out
 
 
+@pytest.mark.parametrize("impl", ["fused", "slots"])
 @pytest.mark.parametrize("num_devices, weights, gemm_impl, compute_dtype, tol", [
     (1, "bf16", "bf16", "float32", 1e-5),
     (4, "bf16", "bf16", "bfloat16", 2e-2),
@@ -42,12 +43,12 @@ def prefill_and_decode(model, steps: int = 2) -> list[np.ndarray]:
     (4, "fp8", "fp8", "float32", 1e-5),
     (4, "fp8", "bf16", "bfloat16", 2e-2),
 ])
-def test_fused_moe_matches_ragged(num_devices, weights, gemm_impl, compute_dtype, tol):
+def test_fused_moe_matches_ragged(num_devices, weights, gemm_impl, compute_dtype, tol, impl):
     fused = dsv3_jax.build(tiny(weights), seed=0, num_devices=num_devices, gemm_impl=gemm_impl,
-                           compute_dtype=compute_dtype, moe_impl="fused")
+                           compute_dtype=compute_dtype, moe_impl=impl)
     ragged = dsv3_jax.Model(fused.args, fused.graphdef, fused.state, fused.mesh,
                             dsv3_jax.RunOptions.make(fused.options, moe_impl="ragged"))
     for step, (g, w) in enumerate(zip(prefill_and_decode(fused), prefill_and_decode(ragged))):
         assert np.isfinite(g).all(), step
         rel = np.linalg.norm(g - w) / np.linalg.norm(w)
-        assert rel < tol, f"step {step}: fused vs ragged relative L2 {rel:.2e}"
+        assert rel < tol, f"step {step}: {impl} vs ragged relative L2 {rel:.2e}"

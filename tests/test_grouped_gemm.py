@@ -139,6 +139,69 @@ def test_fused_kernels_read_a_layer_of_a_weight_stack(fp8):
         assert not np.any(got[5:])
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_row_groups_interpret(fp8):
+    """Rows in any order naming their groups (`row_groups`; -1 and G name none): plain with row_scale,
+    swiglu, and a layer of a stack, against float64 row by row."""
+    rng = np.random.default_rng(11)
+    groups, n, k, layers = 5, 160, 256, 2
+    row_groups = np.array([3, -1, 0, 3, 4, 5, 1, 0], np.int32)
+    x = jnp.asarray(rng.standard_normal((len(row_groups), k)), jnp.float32)
+    stacks = []
+    for _ in range(2):
+        w = rng.standard_normal((layers, groups, n, k)).astype(np.float32)
+        scale = None
+        if fp8:
+            w = (w * 40).astype(jnp.float8_e4m3fn)
+            scale = rng.uniform(0.001, 0.05, (layers, groups, 2, k // 128)).astype(np.float32)
+        stacks.append((jnp.asarray(w), scale))
+    (w1, s1), (w3, s3) = stacks
+    row_scale = jnp.asarray(rng.uniform(-2, 2, len(row_groups)), jnp.float32)
+    named = (row_groups >= 0) & (row_groups < groups)
+
+    def oracle(w, scale, layer):
+        out = np.zeros((len(row_groups), n))
+        for r, g in enumerate(row_groups):
+            if 0 <= g < groups:
+                out[r] = float64_oracle(np.asarray(x)[r:r + 1], w[layer][g:g + 1], [1],
+                                        None if scale is None else scale[layer][g:g + 1])[0]
+        return out
+
+    for layer in (0, 1):
+        scales = () if not fp8 else (jnp.asarray(s1), jnp.asarray(s3))
+        got = np.asarray(grouped_gemm(x, w1, None, scales[0] if fp8 else None, row_groups=jnp.asarray(row_groups),
+                                      layer=jnp.int32(layer), row_scale=row_scale))
+        want = oracle(w1, s1, layer) * np.asarray(row_scale, np.float64)[:, None]
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+        assert not np.any(got[~named]), "rows naming no group must be zero"
+        got = np.asarray(grouped_gemm_swiglu(x, w1, w3, None, *scales, row_groups=jnp.asarray(row_groups),
+                                             layer=jnp.int32(layer)))
+        want = _silu(oracle(w1, s1, layer)) * oracle(w3, s3, layer)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+        assert not np.any(got[~named])
+
+
+def test_row_groups_twin_matches_sorted_groups():
+    """The twin's row_groups form equals its group_sizes form on sorted rows (the two statements agree)."""
+    rng = np.random.default_rng(12)
+    sizes = [2, 0, 3, 1]
+    x, w, _ = _inputs(rng, sizes, 64, 128)
+    row_groups = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes), jnp.int32)
+    a = grouped_gemm_ref(x, w, jnp.array(sizes, jnp.int32))
+    b = grouped_gemm_ref(x, w, None, row_groups=row_groups)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_groups_given_once():
+    x, w = jnp.zeros((4, 128), jnp.float32), jnp.zeros((2, 64, 128), jnp.float32)
+    with pytest.raises(ValueError, match="either as group_sizes .* not both"):
+        grouped_gemm(x, w, jnp.array([2, 2], jnp.int32), row_groups=jnp.zeros((4,), jnp.int32))
+    with pytest.raises(ValueError, match="not neither"):
+        grouped_gemm_swiglu(x, w, w)
+    with pytest.raises(ValueError, match="row_groups has 3 entries for the 4 rows"):
+        grouped_gemm(x, w, row_groups=jnp.zeros((3,), jnp.int32))
+
+
 def test_twins_inside_shard_map_match_the_kernels():
     """Inside shard_map on a CPU the wrappers compute the jnp twins: they agree with the kernels."""
     from jax.sharding import PartitionSpec as P

@@ -1,6 +1,7 @@
 """GPU: every mix of dense and MoE layers runs prefill and decode, with bf16 and fp8 weights and both
 gemm_impls, and the routed-expert paths (Pallas grouped kernel, the fused swiglu + row-scaled down
-kernels, `ragged_dot`) give the same logits; `test_fused_decode_time` times kernel vs fused decode.
+kernels over sorted rows and over unsorted slots, `ragged_dot`) give the same logits;
+`test_fused_decode_time` times kernel vs fused vs slots decode.
 
 Regression guard for the fp8 crash of one V3 MoE layer: Pallas' Triton lowering addressed a 1-byte
 ref of 2^31..2^32 elements (256 experts x 2048 x 7168 fp8) with 32-bit offsets, so one MoE layer
@@ -48,7 +49,7 @@ def compare_moe_impls(args: ModelArgs, gemm_impl: str) -> None:
     variant = lambda impl: dsv3_jax.Model(args, kernel.graphdef, kernel.state, kernel.mesh,  # noqa: E731
                                           dsv3_jax.RunOptions.make(kernel.options, moe_impl=impl))
     want = prefill_and_decode(variant("ragged"))
-    for name, model in (("kernel", kernel), ("fused", variant("fused"))):
+    for name, model in (("kernel", kernel), ("fused", variant("fused")), ("slots", variant("slots"))):
         got = prefill_and_decode(model)
         for step, (g, w) in enumerate(zip(got, want)):
             assert np.isfinite(g).all() and np.isfinite(w).all(), f"{name}: non-finite logits at step {step}"
@@ -88,7 +89,7 @@ def test_fused_decode_time(weights):
         n_layers=5, n_dense_layers=1, inter_dim=11008, dtype=weights, max_batch_size=1, max_seq_len=128)  # 128-multiple
     kernel = dsv3_jax.build(args, seed=0, gemm_impl="fp8" if weights == "fp8" else "bf16", moe_impl="kernel")
     times = {}
-    for impl in ("kernel", "fused", "kernel", "fused"):  # interleaved: the second round is the one kept
+    for impl in ("kernel", "fused", "slots") * 2:  # interleaved: the second round is the one kept
         model = dsv3_jax.Model(args, kernel.graphdef, kernel.state, kernel.mesh,
                                dsv3_jax.RunOptions.make(kernel.options, moe_impl=impl))
         token, position, last = np.zeros((1, 1), np.int32), np.full((1,), 64, np.int32), np.zeros((1,), np.int32)
@@ -100,5 +101,5 @@ def test_fused_decode_time(weights):
         jax.block_until_ready(logits)
         times[impl] = (time.perf_counter() - start) / steps * 1e3
     print(f"\nV2-Lite MoE shape, 1 dense + 4 MoE layers, {weights}, decode b=1: "
-          f"kernel {times['kernel']:.3f} ms, fused {times['fused']:.3f} ms per step")
-    assert times["fused"] < 1.2 * times["kernel"]
+          f"kernel {times['kernel']:.3f} ms, fused {times['fused']:.3f} ms, slots {times['slots']:.3f} ms per step")
+    assert times["fused"] < 1.2 * times["kernel"] and times["slots"] < 1.2 * times["kernel"]
