@@ -126,7 +126,7 @@ class MLA(nnx.Module):
             wkv_b = self.wkv_b.dequantized(x.dtype).reshape(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
             entries = dict(kv=latent, pe=k_pe)
             q_latent = _einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : self.nope_dim]).astype(x.dtype)
-            if ctx.options.decode_attn == "kernel" and seq == 1 and cache is not None and not ctx.kv_start:
+            if decode_kernel(ctx.options.decode_attn) and seq == 1 and cache is not None and not ctx.kv_start:
                 # read in place: cache positions < p are the row's older tokens, plus its new entry
                 out_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], cache["kv"], cache["pe"], layer,
                                         ctx.positions[:, 0], latent[:, 0], k_pe[:, 0], scale=self.softmax_scale,
@@ -140,6 +140,13 @@ class MLA(nnx.Module):
                 out_latent = _einsum("bsht,btc->bshc", probs, latents).astype(x.dtype)
             out = _einsum("bshc,hdc->bshd", out_latent, wkv_b[:, self.nope_dim:]).astype(x.dtype)
         return self.wo(out.reshape(batch, seq, -1), reduce=True, **gemm), entries
+
+
+def decode_kernel(decode_attn: str) -> bool:
+    """Whether single-token steps run the Pallas MLA decode kernel: "auto" on a GPU, where it reads
+    the latent cache in place (V2-Lite decode on one H200, same run: b=8 8.16 vs 8.42 ms, b=32 11.25
+    vs 11.81 ms, b=1 equal; benchmarks/NOTES.md item 15); elsewhere it would run interpreted."""
+    return decode_attn == "kernel" or (decode_attn == "auto" and jax.default_backend() == "gpu")
 
 
 def _window(cache: dict | None, name: str, layer, ctx: StepContext, new: jnp.ndarray) -> jnp.ndarray:

@@ -85,6 +85,24 @@ def grouped_kernel_applies(in_dims: tuple[int, ...]) -> bool:
     return not use_interpret() and all(k % FP8_BLOCK == 0 for k in in_dims)
 
 
+SLOTS_MAX = 64  # (token, expert) slots up to which "auto" runs "slots": b <= 8 at top-6 or top-8
+FUSED_MAX_ROWS = 1024  # routed rows up to which "auto" runs "fused" (decode); above, the grouped kernel
+
+
+def auto_moe_impl(slots: int, local_experts: int, kernels: bool) -> str:
+    """What moe_impl "auto" runs for a step of `slots` (token, expert) assignments.
+
+    With the Pallas kernels (a GPU): "slots" up to SLOTS_MAX (no sort, scatter or schedule: at
+    V2-Lite decode b=1 2.94 vs 3.27 ms for "fused", b=8 7.80 vs 8.42, but b=32 14.76 vs 11.81, where
+    experts chosen by several tokens are read once per slot); "fused" up to FUSED_MAX_ROWS; "kernel"
+    above (prefill: 25.4k vs 24.4k tok/s for "fused" at 1x512). Without them: "gather" when the
+    experts in use are few next to the local experts, else "ragged".
+    (Measured on one H200, benchmarks/NOTES.md items 15-16.)"""
+    if kernels:
+        return "slots" if slots <= SLOTS_MAX else "fused" if slots <= FUSED_MAX_ROWS else "kernel"
+    return "gather" if 2 * slots <= local_experts else "ragged"
+
+
 def _fp8_activations(x: jnp.ndarray, scale_fmt: str | None, dtype) -> jnp.ndarray:
     """x rounded through `act_quant` (gemm_impl "fp8"): its per-128 fp8 values times their scales."""
     xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
@@ -168,10 +186,12 @@ class Experts(nnx.Module):
                  stack_index=None) -> jnp.ndarray:
         """This rank's share of sum_k weight_k * expert_k(x): x (N, dim), weights/indices (N, k).
 
-        moe_impl "auto" picks the Pallas grouped kernel on a GPU; elsewhere it gathers the experts
-        in use when they are few (decoding), else runs `ragged_dot` over all local experts.
-        "fused" runs two Pallas launches: w1, w3 and silu * mul in one (`grouped_gemm_swiglu`),
-        then w2 with the routing weights applied to its accumulator (`row_scale`)."""
+        moe_impl "auto" picks by the step's size (`auto_moe_impl`): on a GPU "slots" for a few
+        tokens, "fused" for decode-sized steps, the grouped kernel for prefill; elsewhere it
+        gathers the experts in use when they are few (decoding), else runs `ragged_dot` over all
+        local experts. "fused" runs two Pallas launches: w1, w3 and silu * mul in one
+        (`grouped_gemm_swiglu`), then w2 with the routing weights applied to its accumulator
+        (`row_scale`)."""
         tokens, topk = indices.shape
         stacked = self.w1.weight.ndim == 4
         if stacked != (stack_index is not None):
@@ -180,7 +200,10 @@ class Experts(nnx.Module):
         first = jax.lax.axis_index(MODEL_AXIS) * local_experts
         local_ids = indices.reshape(-1) - first
         mine = (local_ids >= 0) & (local_ids < local_experts)
+        in_dims = (self.w1.weight.shape[-1], self.w2.weight.shape[-1])
         moe_impl = ctx.options.moe_impl
+        if moe_impl == "auto":
+            moe_impl = auto_moe_impl(tokens * topk, local_experts, grouped_kernel_applies(in_dims))
         if moe_impl == "slots":
             return self._slots(x, weights, jnp.where(mine, local_ids, -1), ctx, stack_index)
         sort_key = jnp.where(mine, local_ids, local_experts)  # foreign assignments sort to the end
@@ -191,12 +214,7 @@ class Experts(nnx.Module):
         # ragged_dot reads every expert's weights whatever the group sizes; the grouped kernel reads
         # only the experts in use, and without it, with few rows, the experts in use are gathered
         # first (ascending, like the sorted rows).
-        in_dims = (self.w1.weight.shape[-1], self.w2.weight.shape[-1])
-        if moe_impl == "auto":
-            use_kernel = grouped_kernel_applies(in_dims)
-            gather = not use_kernel and 2 * tokens * topk <= local_experts
-        else:
-            use_kernel, gather = moe_impl in ("kernel", "fused"), moe_impl == "gather"
+        use_kernel, gather = moe_impl in ("kernel", "fused"), moe_impl == "gather"
         in_layer = (lambda a: a) if not stacked else (  # noqa: E731
             lambda a: jax.lax.dynamic_index_in_dim(a, stack_index, 0, keepdims=False))
         if gather:

@@ -37,8 +37,9 @@ class RunOptions:
                             "(w1+w3+silu*mul, w2+routing weights), those two over unsorted (token, expert) "
                             "slots (no sort or scatter), a gather of the experts in use, or ragged_dot "
                             "(auto: the kernel on a GPU)")
-    decode_attn: str = _choice("xla", ("xla", "kernel"),
-                               "absorbed attention of single-token steps: XLA einsums or the Pallas kernel")
+    decode_attn: str = _choice("auto", ("auto", "xla", "kernel"),
+                               "absorbed attention of single-token steps: XLA einsums or the Pallas kernel "
+                               "(auto: the kernel on a GPU)")
     unroll: bool = dataclasses.field(default=False, metadata={"help": "unroll the layer scans (longer compile, "
                                                                      "no loop between layers)"})
 

@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="tokens in the cache before decoding")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--decode-attns", default="xla", type=option_list("decode_attn"),
+    parser.add_argument("--decode-attns", default="auto", type=option_list("decode_attn"),
                         help=f"decode attention paths to time, a comma list of {','.join(choices('decode_attn'))}")
     parser.add_argument("--tag", default="", help="suffix for the output file names")
     parser.add_argument("--out-dir", default="benchmarks")

@@ -150,7 +150,7 @@ def many_experts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("weights", ["float32", "fp8"])
-@pytest.mark.parametrize("moe_impl", ["kernel", "fused", "gather", "ragged"])
+@pytest.mark.parametrize("moe_impl", ["kernel", "fused", "slots", "gather", "ragged"])
 def test_every_routed_expert_path_matches_hf(many_experts, weights, moe_impl):
     """The Pallas grouped kernel, the gather-then-GEMM path and ragged_dot agree with HF."""
     hf, directory = many_experts[weights]

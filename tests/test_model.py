@@ -178,7 +178,7 @@ def _loops(jaxpr, inside_kernel=False) -> int:
     return count
 
 
-@pytest.mark.parametrize("moe_impl", ["kernel", "fused", "gather", "ragged"])
+@pytest.mark.parametrize("moe_impl", ["kernel", "fused", "slots", "gather", "ragged"])
 def test_decode_step_has_no_loops_but_the_layer_scans(moe_impl):
     """A loop inside a layer runs at every layer of every step (each iteration its own kernels):
     the only loops of a step are the two layer scans, whatever the routed-expert path."""
