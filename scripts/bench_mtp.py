@@ -50,7 +50,8 @@ def timed(fn, repeats: int) -> float:
 
 def bench_shape(cli, results: list) -> None:
     args = ModelArgs.from_file(cli.config)
-    dense = min(args.n_dense_layers, cli.layers - 1) if args.n_routed_experts else cli.layers
+    dense = cli.layers if not args.n_routed_experts else min(
+        args.n_dense_layers if cli.dense_layers is None else cli.dense_layers, cli.layers - 1)
     args = args.replace(n_layers=cli.layers, n_dense_layers=dense, n_mtp_layers=1, max_batch_size=max(cli.batches),
                         max_seq_len=cli.max_seq_len)
     if cli.gemm_impl == "fp8" or cli.fp8:
@@ -129,6 +130,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=Path("configs/config_671B.json"))
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dense-layers", type=int, default=None,
+                        help="dense layers of the cut (default: the config's, at most --layers - 1)")
     parser.add_argument("--fp8", action="store_true", help="fp8 weights even with --gemm-impl bf16")
     parser.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8])
     parser.add_argument("--context", type=int, default=1024)
