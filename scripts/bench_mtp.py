@@ -29,7 +29,6 @@ import numpy as np
 import dsv3_jax
 from dsv3_jax.cache import cache_window
 from dsv3_jax.config import ModelArgs
-from dsv3_jax.generate import Plan
 from dsv3_jax.options import add_flags, from_flags
 from dsv3_jax.speculative import mtp_prefill
 
