@@ -57,6 +57,10 @@ def scopes_of_instructions(hlo_text: str) -> dict[str, str]:
         if scope == "other" and calls:
             scope = computation_scope.get(calls.group(1), "other")
         scopes[m.group(1).replace(".", "_")] = scope  # the trace writes "fusion.7" as "fusion_7"
+        # a Pallas kernel appears in the trace under its own name (a custom call's backend_config)
+        kernel = re.search(r'\bname\s*=\s*"([\w.\-]+)"|"name"\s*:\s*"([\w.\-]+)"', line) if "custom-call" in line else None
+        if kernel and scope != "other":
+            scopes.setdefault(kernel.group(1) or kernel.group(2), scope)
         if current and scope != "other":
             computation_scope.setdefault(current, scope)
     return scopes
