@@ -132,28 +132,35 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     else:
         schedule, max_tiles = row_schedule(row_groups.astype(jnp.int32), w.shape[-3], layer), m
     vma = vma_union(x, *ws, group_data)
-    operands = [schedule, jnp.pad(x, ((0, block_m), (0, 0))), *ws] + (list(scales) if fp8 else [])
+    # a tile's rows [row, row + block_m) are loaded and stored under masks, so x need not be padded
+    # (a kernel of its own) unless it is shorter than one tile
+    pad = block_m if m < block_m else 0
+    operands = [schedule, jnp.pad(x, ((0, pad), (0, 0))) if pad else x, *ws] + (list(scales) if fp8 else [])
     if row_scale is not None:
-        operands.append(jnp.pad(row_scale, (0, block_m)))
+        operands.append(jnp.pad(row_scale, (0, pad)) if pad else row_scale)
     operands = match_vma(vma, *operands)
-    zeros = match_vma(vma, jnp.zeros((m + block_m, n), out_dtype))[0]
     # Triton keeps num_stages copies of a K step's tiles in shared memory: with two weights and tall
     # tiles three stages need more than a Hopper block may have (e.g. swiglu at 64 x 128 in bf16:
     # 3 x 80 KiB), so the pipeline is cut to what fits
     stage_bytes = block_m * BLOCK * x.dtype.itemsize + len(ws) * block_n * BLOCK * (1 if fp8 else w.dtype.itemsize)
     num_stages = max(1, min(num_stages, SHARED_MEMORY_BYTES // stage_bytes))
+    # with row_groups every row is a tile of its own, which stores zeros if the row names no group;
+    # sorted rows past the groups belong to no tile, so that output starts as a zeroed buffer
+    every_row_a_tile = form == "rows"
     kernel = functools.partial(_kernel, n=n, k=k, block_m=block_m, block_n=block_n, fp8=fp8,
-                               n_weights=len(ws), row_scale=row_scale is not None, swiglu=swiglu)
+                               n_weights=len(ws), row_scale=row_scale is not None, swiglu=swiglu,
+                               zero_missing=every_row_a_tile)
+    extra = [] if every_row_a_tile else match_vma(vma, jnp.zeros((m + pad, n), out_dtype))
     out = pl.pallas_call(
         kernel,
-        out_shape=result((m + block_m, n), out_dtype, vma),
+        out_shape=result((m + pad, n), out_dtype, vma),
         grid=(max_tiles, cdiv(n, block_n)),
-        input_output_aliases={len(operands): 0},  # the zeroed output: rows no tile owns stay zero
+        input_output_aliases={} if every_row_a_tile else {len(operands): 0},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=fn,
-    )(*operands, zeros)
-    return out[:m]
+    )(*operands, *extra)
+    return out[:m] if pad else out
 
 
 def byte_pairs(w: jax.Array) -> jax.Array:
@@ -208,21 +215,27 @@ def row_schedule(row_groups: jax.Array, groups: int, layer=0) -> jax.Array:
                       jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (m,))])
 
 
-def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu):
+def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, zero_missing):
     """One (row tile, column tile) program. refs: the weights (n_weights), their scales (if fp8),
-    row_scale (if given), the zeroed output buffer (aliased to the output), then the output."""
+    row_scale (if given), the zeroed output buffer (aliased to the output; not with zero_missing,
+    where a tile that does not exist stores zeros over its rows), then the output."""
     w_refs = refs[:n_weights]
     scale_refs = refs[n_weights:2 * n_weights] if fp8 else (None,) * n_weights
     row_scale_ref = refs[(2 if fp8 else 1) * n_weights] if row_scale else None
     o_ref = refs[-1]
     tile, j = pl.program_id(0), pl.program_id(1)
+    exists = sched_ref[3, tile] > 0
 
-    @pl.when(sched_ref[3, tile] > 0)
-    def _():
-        group, row, end, layer = sched_ref[0, tile], sched_ref[1, tile], sched_ref[2, tile], sched_ref[4, tile]
+    def tile_rows():
+        row, end = sched_ref[1, tile], sched_ref[2, tile]
         row_ok = (row + jnp.arange(block_m)) < end
         col_ok = (j * block_n + jnp.arange(block_n)) < n
-        rows, cols = pl.ds(row, block_m), pl.ds(j * block_n, block_n)
+        return pl.ds(row, block_m), pl.ds(j * block_n, block_n), row_ok, col_ok
+
+    @pl.when(exists)
+    def _():
+        group, layer = sched_ref[0, tile], sched_ref[4, tile]
+        rows, cols, row_ok, col_ok = tile_rows()
         accs = _k_loop(x_ref, w_refs, scale_refs, layer, group, j, rows, cols, row_ok, col_ok,
                        k=k, block_m=block_m, block_n=block_n, fp8=fp8)
         if swiglu:
@@ -232,6 +245,13 @@ def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row
         if row_scale:
             acc = acc * plgpu.load(row_scale_ref.at[rows], mask=row_ok)[:, None]
         plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+    if zero_missing:
+        @pl.when(jnp.logical_not(exists))
+        def _():
+            rows, cols, row_ok, col_ok = tile_rows()
+            plgpu.store(o_ref.at[rows, cols], jnp.zeros((block_m, block_n), o_ref.dtype),
+                        mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _k_loop(x_ref, w_refs, scale_refs, layer, group, j, rows, cols, row_ok, col_ok, *, k, block_m, block_n, fp8):

@@ -139,13 +139,14 @@ def test_fused_kernels_read_a_layer_of_a_weight_stack(fp8):
         assert not np.any(got[5:])
 
 
+@pytest.mark.parametrize("rows", [8, 21])  # fewer rows than a tile (x padded), and more (masked loads only)
 @pytest.mark.parametrize("fp8", [False, True])
-def test_row_groups_interpret(fp8):
+def test_row_groups_interpret(fp8, rows):
     """Rows in any order naming their groups (`row_groups`; -1 and G name none): plain with row_scale,
     swiglu, and a layer of a stack, against float64 row by row."""
     rng = np.random.default_rng(11)
     groups, n, k, layers = 5, 160, 256, 2
-    row_groups = np.array([3, -1, 0, 3, 4, 5, 1, 0], np.int32)
+    row_groups = np.resize(np.array([3, -1, 0, 3, 4, 5, 1, 0], np.int32), rows)
     x = jnp.asarray(rng.standard_normal((len(row_groups), k)), jnp.float32)
     stacks = []
     for _ in range(2):
