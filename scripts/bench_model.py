@@ -145,6 +145,22 @@ def bench_decode(model, batch: int, context: int, steps: int) -> dict:
             "tok_per_s": batch / per_step, "compile_s": max(0.0, first - per_step)}
 
 
+def bench_generate(model, batch: int, context: int, steps: int) -> dict:
+    """Per-token time of `Model.generate` (greedy, sampling and the host loop included): the
+    difference of two timed calls of 8 and 8 + `steps` new tokens, so the prefill cancels."""
+    rng = np.random.default_rng(2)
+    prompts = rng.integers(0, model.args.vocab_size, (batch, context)).tolist()
+
+    def run(new_tokens: int) -> float:
+        start = time.perf_counter()
+        model.generate(prompts, new_tokens, -1, 0.0)
+        return time.perf_counter() - start
+
+    run(8 + steps)  # compiles the prefill and the decode step of this window
+    per_token = (run(8 + steps) - run(8)) / steps
+    return {"generate_ms_per_token": per_token * 1e3, "generate_tok_per_s": batch / per_token}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="a reference JSON config")
@@ -220,7 +236,11 @@ def main() -> None:
                           floor_ms_in_run_copy=in_run_floor_ms,
                           achieved_gb_s=bytes_read / (result["ms_per_step"] / 1e3) / 1e9,
                           pct_roofline=100 * floor_ms / result["ms_per_step"])
+            result.update(bench_generate(runner, batch, opts.context, opts.steps))
+            result["generate_over_step"] = result["generate_ms_per_token"] / result["ms_per_step"]
             rows.append(result)
+            say(f"generate b={batch} moe={moe_impl} attn={decode_attn}: {result['generate_tok_per_s']:,.1f} tok/s, "
+                f"{result['generate_ms_per_token']:.3f} ms/token ({result['generate_over_step']:.2f}x the step)")
             say(f"decode b={batch} moe={moe_impl} attn={decode_attn}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
                   f"ms/step (floor {floor_ms:.3f} ms = {bytes_read / 1e9:.2f} GB at {HBM_BYTES_PER_S / 1e12:.1f} TB/s, "
                   f"{result['pct_roofline']:.0f}% of it; {in_run_floor_ms:.3f} ms at the in-run copy rate "
@@ -247,16 +267,17 @@ def main() -> None:
     lines = [f"# {name}: {args.n_layers} layers, {args.dtype} weights, gemm_impl {options.gemm_impl}",
              "", f"{device.device_kind} x{model.mesh.devices.size} ({jax.process_count()} process(es)), jax {jax.__version__}, {record['date']}; "
              f"in-run copy bandwidth {bandwidth / 1e12:.2f} TB/s; peak device memory {peak / 2**30:.1f} GiB", "",
-             f"| run | tok/s | ms/step | bytes/step | floor at {HBM_BYTES_PER_S / 1e12:.1f} TB/s | GB/s | % of floor | compile s |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"| run | tok/s | ms/step | bytes/step | floor at {HBM_BYTES_PER_S / 1e12:.1f} TB/s | GB/s | % of floor | "
+             "generate() ms/token | compile s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] == "prefill":
             lines.append(f"| prefill {r['batch']}x{r['length']} ({r['moe_impl']}, {r['decode_attn']}) | {r['tok_per_s']:,.0f} | {r['seconds'] * 1e3:.2f} | "
-                         f"- | - | - | {r['tflops']:.0f} TFLOP/s | {r['compile_s']:.1f} |")
+                         f"- | - | - | {r['tflops']:.0f} TFLOP/s | - | {r['compile_s']:.1f} |")
         else:
             lines.append(f"| decode b={r['batch']} ({r['moe_impl']}, {r['decode_attn']}) | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "
                          f"{r['bytes_per_step'] / 1e9:.2f} GB | {r['floor_ms']:.3f} ms | {r['achieved_gb_s']:,.0f} | "
-                         f"{r['pct_roofline']:.0f}% | "
+                         f"{r['pct_roofline']:.0f}% | {r['generate_ms_per_token']:.3f} ({r['generate_over_step']:.2f}x) | "
                          f"{r['compile_s']:.1f} |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
