@@ -14,8 +14,8 @@ the Triton backend never emits (it lowers fp8 dots to mma.sync; benchmarks/NOTES
     ``acc += partial * (a_s[rows, kb] * b_s[n_block, kb])``. A warpgroup's columns lie within one
     128-column block of B, so one b_s value (read from GMEM as a scalar) covers them.
 
-Tails: rows of A past M are zero-filled by the TMA loads and dropped by the TMA stores, so M is
-arbitrary; N and K must be multiples of 128 (`mosaic_unsupported` says why a shape is refused, and
+Tails: M is arbitrary: A gets zero rows up to a multiple of 8 (the tiled TMA copies need it), and
+the last row tile's rows past that are zero-filled by the TMA loads and dropped by the TMA stores; N and K must be multiples of 128 (`mosaic_unsupported` says why a shape is refused, and
 `gemm.fp8_gemm` then takes its Triton path).
 
 Without a GPU the kernel runs in Mosaic GPU's interpret mode (`interpret=True`), which simulates
@@ -52,8 +52,10 @@ class MosaicGemmConfig:
     grid_minor: "m" or "n", the dimension the tile order walks first within a band.
     grid_tile_width: width, in CTA tiles, of a band of the planar snake order.
     epi_tile_m, epi_tile_n: the output goes out through SMEM in pieces this size (double
-      buffered per warpgroup); they must divide tile_m, tile_n.
+      buffered per warpgroup); they must divide tile_m, tile_n. epi_tile_n None: 128 bytes of
+      out_dtype (64 bfloat16 or 32 float32 columns), one swizzle span.
     memory_registers: registers per thread left to the producer warpgroup.
+    max_ctas: at most this many persistent CTAs (default: one per SM); each loops over tiles.
     """
     tile_m: int = 64
     tile_n: int = 128
@@ -63,8 +65,9 @@ class MosaicGemmConfig:
     grid_minor: str = "n"
     grid_tile_width: int = 8
     epi_tile_m: int = 64
-    epi_tile_n: int = 64
+    epi_tile_n: int | None = None
     memory_registers: int = 40
+    max_ctas: int | None = None
 
     @property
     def cta_m(self) -> int:
@@ -89,8 +92,10 @@ class MosaicGemmConfig:
             bad.append("max_concurrent_steps >= 2")
         if self.grid_tile_width < 1:
             bad.append("grid_tile_width >= 1")
-        if (self.epi_tile_m % 8 or self.tile_m % self.epi_tile_m or self.epi_tile_n % 16
-                or self.tile_n % self.epi_tile_n):
+        if self.max_ctas is not None and self.max_ctas < 1:
+            bad.append("max_ctas >= 1 or None")
+        epi_n = self.epi_tile_n or 32
+        if self.epi_tile_m % 8 or self.tile_m % self.epi_tile_m or epi_n % 16 or self.tile_n % epi_n:
             bad.append("epi_tile_m (multiple of 8) dividing tile_m, epi_tile_n (multiple of 16) dividing tile_n")
         if bad:
             raise ValueError(f"{_FN}: {self} needs {'; '.join(bad)}")
@@ -126,13 +131,13 @@ def fp8_gemm_mosaic_2d(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Arra
     if n % cfg.cta_n:
         fail(_FN, f"N={n} is not a multiple of the CTA tile's {cfg.cta_n} columns ({cfg})")
     nkb = k // BLOCK
-    # The TMA box of a CTA's rows may not be taller than the array: very short A gets padded rows.
-    mp = max(m, cfg.cta_m)
+    # The tiled TMA copies need the row count a multiple of 8 and at least one CTA tile: a ragged
+    # or very short A gets zero rows (a copy of A and of C; the rows are dropped afterwards).
+    mp = max(cdiv(m, 8) * 8, cfg.cta_m)
     if mp != m:
         a = jnp.pad(a, ((0, mp - m), (0, 0)))
-    # a_s goes to SMEM one K-block at a time as a row of cta_m scales: transpose it to (K/128, M),
-    # rows padded to 16 bytes (TMA needs 16-byte aligned row strides).
-    a_s_t = jnp.pad(a_s.T, ((0, 0), (0, (-mp) % 4 + (mp - m))))
+    # a_s goes to SMEM one K-block at a time as a row of cta_m scales: transpose it to (K/128, M).
+    a_s_t = jnp.pad(a_s.T, ((0, 0), (0, mp - m)))
     out = _build(mp, n, nkb, jnp.dtype(out_dtype), cfg, interpret)(a, a_s_t, b, b_s)
     return out[:m] if mp != m else out
 
@@ -140,7 +145,7 @@ def fp8_gemm_mosaic_2d(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Arra
 @functools.lru_cache(maxsize=64)  # pure function of hashable arguments: no mutable state
 def _build(m: int, n: int, nkb: int, out_dtype, cfg: MosaicGemmConfig, interpret: bool):
     m_tiles, n_tiles = cdiv(m, cfg.cta_m), n // cfg.cta_n
-    num_ctas = min(num_sms(), m_tiles * n_tiles)
+    num_ctas = min(cfg.max_ctas or num_sms(), m_tiles * n_tiles)
     return plgpu.kernel(
         functools.partial(_kernel, m_tiles=m_tiles, n_tiles=n_tiles, nkb=nkb, cfg=cfg),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -167,7 +172,8 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, m_tiles, n_tiles, nkb
     cta_m, cta_n = cfg.cta_m, cfg.cta_n
     out_dtype = out_gmem.dtype
     op_transforms = _swizzled(BLOCK, 1)  # a 128-wide fp8 K-block: 128-byte rows, 128B swizzle
-    epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
+    epi_m = cfg.epi_tile_m
+    epi_n = min(cfg.tile_n, cfg.epi_tile_n or 128 // out_dtype.itemsize)
     out_transforms = _swizzled(epi_n * out_dtype.itemsize, out_dtype.itemsize)
     epi_pieces = [(i, j) for i in range(tm // epi_m) for j in range(tn // epi_n)]
     slots = min(2, len(epi_pieces))
