@@ -56,6 +56,9 @@ class MosaicGemmConfig:
       out_dtype (64 bfloat16 or 32 float32 columns), one swizzle span.
     memory_registers: registers per thread left to the producer warpgroup.
     max_ctas: at most this many persistent CTAs (default: one per SM); each loops over tiles.
+    cluster: None, or "m" / "n": CTAs work in pairs (a cluster of 2) on neighbouring tiles along
+      that dimension and share the operand they have in common through TMA multicast (B for "m",
+      A and a_s for "n"), halving its traffic from L2. (SM-to-SM within a cluster, not NVLink.)
     """
     tile_m: int = 64
     tile_n: int = 128
@@ -68,6 +71,11 @@ class MosaicGemmConfig:
     epi_tile_n: int | None = None
     memory_registers: int = 40
     max_ctas: int | None = None
+    cluster: str | None = None
+
+    @property
+    def cluster_size(self) -> int:
+        return 1 if self.cluster is None else 2
 
     @property
     def cta_m(self) -> int:
@@ -94,6 +102,8 @@ class MosaicGemmConfig:
             bad.append("grid_tile_width >= 1")
         if self.max_ctas is not None and self.max_ctas < 1:
             bad.append("max_ctas >= 1 or None")
+        if self.cluster not in (None, "m", "n"):
+            bad.append("cluster None, 'm' or 'n'")
         epi_n = self.epi_tile_n or 32
         if self.epi_tile_m % 8 or self.tile_m % self.epi_tile_m or epi_n % 16 or self.tile_n % epi_n:
             bad.append("epi_tile_m (multiple of 8) dividing tile_m, epi_tile_n (multiple of 16) dividing tile_n")
@@ -128,8 +138,9 @@ def fp8_gemm_mosaic_2d(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Arra
         fail(_FN, why)
     cfg = config or default_mosaic_config(m, n, k)
     cfg.check()
-    if n % cfg.cta_n:
-        fail(_FN, f"N={n} is not a multiple of the CTA tile's {cfg.cta_n} columns ({cfg})")
+    cols = cfg.cta_n * (2 if cfg.cluster == "n" else 1)
+    if n % cols:
+        fail(_FN, f"N={n} is not a multiple of the {cols} columns of a CTA tile{' pair' if cols > cfg.cta_n else ''} ({cfg})")
     nkb = k // BLOCK
     # The tiled TMA copies need the row count a multiple of 8 and at least one CTA tile: a ragged
     # or very short A gets zero rows (a copy of A and of C; the rows are dropped afterwards).
@@ -144,13 +155,19 @@ def fp8_gemm_mosaic_2d(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Arra
 
 @functools.lru_cache(maxsize=64)  # pure function of hashable arguments: no mutable state
 def _build(m: int, n: int, nkb: int, out_dtype, cfg: MosaicGemmConfig, interpret: bool):
-    m_tiles, n_tiles = cdiv(m, cfg.cta_m), n // cfg.cta_n
-    num_ctas = min(cfg.max_ctas or num_sms(), m_tiles * n_tiles)
+    cs = cfg.cluster_size
+    # tiles in units of CTA pairs along the cluster dimension (a pair's second tile may lie wholly
+    # past M: its loads read zeros and its stores are dropped)
+    m_tiles = cdiv(m, cfg.cta_m * (cs if cfg.cluster == "m" else 1))
+    n_tiles = n // (cfg.cta_n * (cs if cfg.cluster == "n" else 1))
+    num_clusters = max(1, min((cfg.max_ctas or num_sms()) // cs, m_tiles * n_tiles))
     return plgpu.kernel(
         functools.partial(_kernel, m_tiles=m_tiles, n_tiles=n_tiles, nkb=nkb, cfg=cfg),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(num_ctas,),
+        grid=(num_clusters,),
         grid_names=("sm",),
+        cluster=(cs,),
+        cluster_names=("cluster",),
         num_threads=cfg.num_compute_wgs + 1,
         thread_name="wg",
         interpret=_interpret_params() if interpret else None,
@@ -177,6 +194,9 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, m_tiles, n_tiles, nkb
     out_transforms = _swizzled(epi_n * out_dtype.itemsize, out_dtype.itemsize)
     epi_pieces = [(i, j) for i in range(tm // epi_m) for j in range(tn // epi_n)]
     slots = min(2, len(epi_pieces))
+    # a CTA pair along N has the same rows of A (multicast A, a_s); along M the same rows of B
+    share_a = ("cluster",) if cfg.cluster == "n" else ()
+    share_b = ("cluster",) if cfg.cluster == "m" else ()
 
     def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -184,9 +204,11 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, m_tiles, n_tiles, nkb
             grid=(nkb,),
             memory_registers=cfg.memory_registers,
             in_specs=[
-                plgpu.BlockSpec((cta_m, BLOCK), lambda kb: (0, kb), transforms=op_transforms),
-                plgpu.BlockSpec((cta_n, BLOCK), lambda kb: (0, kb), transforms=op_transforms),
-                plgpu.BlockSpec((1, cta_m), lambda kb: (kb, 0)),
+                plgpu.BlockSpec((cta_m, BLOCK), lambda kb: (0, kb), transforms=op_transforms,
+                                collective_axes=share_a),
+                plgpu.BlockSpec((cta_n, BLOCK), lambda kb: (0, kb), transforms=op_transforms,
+                                collective_axes=share_b),
+                plgpu.BlockSpec((1, cta_m), lambda kb: (kb, 0), collective_axes=share_a),
             ],
             wg_axis="wg",
             num_compute_wgs=wgs,
@@ -212,6 +234,10 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, m_tiles, n_tiles, nkb
             (lin,) = info.index
             mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles), 1 if cfg.grid_minor == "n" else 0,
                                         cfg.grid_tile_width)
+            if cfg.cluster == "m":
+                mi = mi * 2 + lax.axis_index("cluster")
+            elif cfg.cluster == "n":
+                ni = ni * 2 + lax.axis_index("cluster")
             rows, cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
             # this warpgroup's columns start at ni*cta_n (+ wg*tn) and stay within one b_s block
             col0 = ni * cta_n + (wg * tn if cfg.wg_dim == "n" else 0)

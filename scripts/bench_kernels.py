@@ -281,7 +281,9 @@ def mosaic_candidates() -> list[MosaicGemmConfig]:
             C(grid_tile_width=4), C(grid_tile_width=16), C(grid_minor="m"),
             C(tile_m=128, tile_n=64, wg_dim="n"), C(tile_m=128, tile_n=64, wg_dim="m"),
             C(num_compute_wgs=3), C(num_compute_wgs=3, max_concurrent_steps=3),
-            C(epi_tile_m=64, epi_tile_n=128, max_concurrent_steps=3)]
+            C(epi_tile_m=64, epi_tile_n=128, max_concurrent_steps=3),
+            C(cluster="n"), C(cluster="m"), C(cluster="n", max_concurrent_steps=5),
+            C(cluster="n", tile_m=128, tile_n=64, wg_dim="n"), C(cluster="m", num_compute_wgs=3)]
 
 
 def mosaic_configs_arg(text: str) -> list[MosaicGemmConfig]:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from script_modules import load_script
 from kernel_checks import FP8, activations, fp8_weight, numpy_gemm, rel_l2
 from pallas_kernels import act_quant, fp8_gemm
 from pallas_kernels import gemm as GM
@@ -72,6 +73,8 @@ def test_mosaic_interpret_leading_dims_under_jit(rng):
     MosaicGemmConfig(num_compute_wgs=3, max_concurrent_steps=2),          # 192-row CTA: ragged last tile
     MosaicGemmConfig(num_compute_wgs=1, tile_n=32, epi_tile_m=32, epi_tile_n=16, max_ctas=3,
                      grid_minor="m", grid_tile_width=1),                  # 4 output pieces, 2 slots
+    MosaicGemmConfig(cluster="n", max_ctas=2),                           # CTA pairs share A (multicast)
+    MosaicGemmConfig(cluster="m", max_ctas=4),                           # pairs share B; 2nd tile partly past M
 ])
 def test_mosaic_interpret_configs(rng, config):
     """Every kind of tiling, on a product of several tiles per CTA (M = 200 ragged, 3 K-blocks)."""
@@ -106,7 +109,7 @@ def test_errors(rng):
     _raises(fp8_gemm, a, a_s, b, b_s, impl="mosaic", mosaic_config=MosaicGemmConfig(tile_n=96),
             match=r"fp8_gemm_mosaic: .* needs tile_n a multiple of 16 dividing 128")
     _raises(fp8_gemm, a, a_s, b, b_s, impl="mosaic", mosaic_config=MosaicGemmConfig(wg_dim="n"),
-            match=r"fp8_gemm_mosaic: N=128 is not a multiple of the CTA tile's 256 columns")
+            match=r"fp8_gemm_mosaic: N=128 is not a multiple of the 256 columns of a CTA tile ")
 
 
 # ---------------------------------------------------------------- lowering for CUDA (no GPU needed)
@@ -126,6 +129,14 @@ def test_mosaic_lowers_for_cuda(m, n, k, out_dtype):
     """The whole Pallas -> Mosaic GPU lowering at DeepSeek-V3's shapes, SMEM budget included."""
     f = functools.partial(fp8_gemm_mosaic_2d, out_dtype=out_dtype, config=default_mosaic_config(m, n, k))
     assert "mosaic_gpu" in _lower_cuda(f, *_v3_shapes(m, n, k))
+
+
+def test_bench_sweep_configs_lower_for_cuda():
+    """Every Mosaic tiling scripts/bench_kernels.py --mosaic-sweep times lowers (fits its SMEM)."""
+    bench = load_script("bench_kernels")
+    for cfg in bench.mosaic_candidates():
+        f = functools.partial(fp8_gemm_mosaic_2d, out_dtype=jnp.bfloat16, config=cfg)
+        assert "mosaic_gpu" in _lower_cuda(f, *_v3_shapes(4096, 18432, 7168)), cfg
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
