@@ -59,6 +59,10 @@ class MosaicGemmConfig:
     cluster: None, or "m" / "n": CTAs work in pairs (a cluster of 2) on neighbouring tiles along
       that dimension and share the operand they have in common through TMA multicast (B for "m",
       A and a_s for "n"), halving its traffic from L2. (SM-to-SM within a cluster, not NVLink.)
+    chain: the producer runs on into a CTA's next tile while the consumers finish the current one
+      and store it (one pipeline across tiles: Pallas' START / STEADY / STOP pipeline states).
+      Taken only where max_concurrent_steps divides K/128, as Pallas requires, and where every CTA
+      has two tiles or more (a lone tile would both fill and drain the ring: no state says so).
     """
     tile_m: int = 64
     tile_n: int = 128
@@ -72,6 +76,7 @@ class MosaicGemmConfig:
     memory_registers: int = 40
     max_ctas: int | None = None
     cluster: str | None = None
+    chain: bool = True
 
     @property
     def cluster_size(self) -> int:
@@ -161,8 +166,9 @@ def _build(m: int, n: int, nkb: int, out_dtype, cfg: MosaicGemmConfig, interpret
     m_tiles = cdiv(m, cfg.cta_m * (cs if cfg.cluster == "m" else 1))
     n_tiles = n // (cfg.cta_n * (cs if cfg.cluster == "n" else 1))
     num_clusters = max(1, min((cfg.max_ctas or num_sms()) // cs, m_tiles * n_tiles))
+    chain = cfg.chain and nkb % cfg.max_concurrent_steps == 0 and m_tiles * n_tiles >= 2 * num_clusters
     return plgpu.kernel(
-        functools.partial(_kernel, m_tiles=m_tiles, n_tiles=n_tiles, nkb=nkb, cfg=cfg),
+        functools.partial(_kernel, m_tiles=m_tiles, n_tiles=n_tiles, nkb=nkb, cfg=cfg, chain=chain),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(num_clusters,),
         grid_names=("sm",),
@@ -184,7 +190,8 @@ def _swizzled(rows_bytes: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, m_tiles, n_tiles, nkb, cfg: MosaicGemmConfig):
+def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, m_tiles, n_tiles, nkb, cfg: MosaicGemmConfig,
+            chain: bool):
     tm, tn, wgs = cfg.tile_m, cfg.tile_n, cfg.num_compute_wgs
     cta_m, cta_n = cfg.cta_m, cfg.cta_n
     out_dtype = out_gmem.dtype
@@ -198,7 +205,7 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, m_tiles, n_tiles, nkb
     share_a = ("cluster",) if cfg.cluster == "n" else ()
     share_b = ("cluster",) if cfg.cluster == "m" else ()
 
-    def pipeline(body, compute_context):
+    def pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(nkb,),
@@ -214,6 +221,7 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, m_tiles, n_tiles, nkb
             num_compute_wgs=wgs,
             max_concurrent_steps=cfg.max_concurrent_steps,
             compute_context=compute_context,
+            pipeline_state=state,
         )
 
     ignore = lambda *_, **__: None  # the bodies do not change what the pipeline allocates
@@ -269,7 +277,12 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, m_tiles, n_tiles, nkb
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[em, en])
 
-            pipeline(body, compute_context)(
+            state = None
+            if chain:  # a CTA's first tile fills the ring, its last drains it
+                P = plgpu.PipelinePipeline
+                state = jnp.where(info.local_index == 0, int(P.START),
+                                  jnp.where(info.local_index == info.num_local_steps - 1, int(P.STOP), int(P.STEADY)))
+            pipeline(body, compute_context, state)(
                 a_gmem.at[rows, :], b_gmem.at[cols, :], as_gmem.at[:, rows], allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -83,6 +83,20 @@ def test_mosaic_interpret_configs(rng, config):
     check(c, a, a_s, b, b_s, jnp.float32)
 
 
+@pytest.mark.parametrize("config", [
+    MosaicGemmConfig(max_ctas=3),                                        # 3, 3 and 2 tiles per CTA
+    MosaicGemmConfig(max_ctas=4, max_concurrent_steps=2),                # 2 tiles per CTA
+    MosaicGemmConfig(max_ctas=8, max_concurrent_steps=2),                # one tile per CTA: not chained
+    MosaicGemmConfig(max_ctas=2, cluster="n"),
+    MosaicGemmConfig(max_ctas=3, chain=False),
+])
+def test_mosaic_interpret_chained_tiles(rng, config):
+    """K/128 = 4 steps, a multiple of the ring depth: one pipeline runs on across a CTA's tiles."""
+    a, a_s, b, b_s = operands(rng, (200,), 512, 512)
+    c = fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.bfloat16, impl="mosaic", mosaic_config=config)
+    check(c, a, a_s, b, b_s, jnp.bfloat16)
+
+
 # ---------------------------------------------------------------- which kernel runs
 def test_choose_path():
     ch = GM.choose_path
