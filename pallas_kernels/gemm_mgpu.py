@@ -14,8 +14,10 @@ the Triton backend never emits (it lowers fp8 dots to mma.sync; benchmarks/NOTES
     ``acc += partial * (a_s[rows, kb] * b_s[n_block, kb])``. A warpgroup's columns lie within one
     128-column block of B, so one b_s value (read from GMEM as a scalar) covers them.
 
-Tails: M is arbitrary: A gets zero rows up to a multiple of 8 (the tiled TMA copies need it), and
-the last row tile's rows past that are zero-filled by the TMA loads and dropped by the TMA stores; N and K must be multiples of 128 (`mosaic_unsupported` says why a shape is refused, and
+Tails: M is arbitrary: A gets zero rows up to a multiple of 8 and at least one CTA tile (the tiled
+TMA copies need both), and the last row tile's rows past that are zero-filled by the TMA loads and
+dropped by the TMA stores.
+N and K must be multiples of 128 (`mosaic_unsupported` says why a shape is refused, and
 `gemm.fp8_gemm` then takes its Triton path).
 
 Without a GPU the kernel runs in Mosaic GPU's interpret mode (`interpret=True`), which simulates
@@ -116,10 +118,22 @@ class MosaicGemmConfig:
             raise ValueError(f"{_FN}: {self} needs {'; '.join(bad)}")
 
 
-def default_mosaic_config(m: int, n: int, k: int) -> MosaicGemmConfig:
-    """Tiling for an (m, k) x (n, k)^T product: 128x128 CTA tiles (two 64x128 warpgroups)."""
-    del m, n, k  # one tiling until the sweep (scripts/bench_kernels.py --mosaic-sweep) says otherwise
-    return MosaicGemmConfig()
+def default_mosaic_config(m: int, n: int, k: int, sms: int | None = None) -> MosaicGemmConfig:
+    """Tiling for an (m, k) x (n, k)^T product on `sms` SMs: two 64-row warpgroups per CTA, with
+    128 columns each (a 128x128 CTA tile) unless 64 (128x64) fills the SMs' last wave better.
+
+    Short M is the case that matters: at M = 512, N = 18432 the 576 tiles of 128x128 take 5 waves
+    of 132 SMs (87% busy), the 1152 tiles of 128x64 take 9 (97%). At M = 4096 both are ~100%.
+    """
+    del k
+    sms = sms or num_sms()
+
+    def busy(cta_m, cta_n):
+        tiles = cdiv(m, cta_m) * cdiv(n, cta_n)
+        return tiles / (cdiv(tiles, sms) * sms)
+
+    wide, narrow = MosaicGemmConfig(), MosaicGemmConfig(tile_n=64)
+    return narrow if busy(128, 64) > busy(128, 128) + 0.05 else wide
 
 
 def mosaic_unsupported(n: int, k: int) -> str | None:
@@ -145,7 +159,8 @@ def fp8_gemm_mosaic_2d(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Arra
     cfg.check()
     cols = cfg.cta_n * (2 if cfg.cluster == "n" else 1)
     if n % cols:
-        fail(_FN, f"N={n} is not a multiple of the {cols} columns of a CTA tile{' pair' if cols > cfg.cta_n else ''} ({cfg})")
+        pair = " pair" if cols > cfg.cta_n else ""
+        fail(_FN, f"N={n} is not a multiple of the {cols} columns of a CTA tile{pair} ({cfg})")
     nkb = k // BLOCK
     # The tiled TMA copies need the row count a multiple of 8 and at least one CTA tile: a ragged
     # or very short A gets zero rows (a copy of A and of C; the rows are dropped afterwards).

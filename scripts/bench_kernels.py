@@ -9,8 +9,8 @@ benchmarks/). Measures in the same run: copy bandwidth, XLA's bf16 and fp8 matmu
     matmul and XLA's raw fp8 dot (lax.dot_general on e4m3 operands) of the same shape;
   * part "mosaic" (--only mosaic, not run by default): fp8_gemm's Triton and Mosaic GPU kernels
     side by side (impl="triton" / "mosaic") at M in {64, 128, 512, 4096} on (18432, 7168) and
-    (7168, 18432), with the kernel "auto" picks; --mosaic-sweep adds Mosaic tilings at the
-    largest M. With only this part the ceilings are the constants below, not measured.
+    (7168, 18432), with the kernel "auto" picks; --mosaic-sweep / --mosaic-configs add Mosaic
+    tilings (at every M of --mosaic-m). With only this part the ceilings are the constants below, not measured.
 Timing: one jitted program applies the op to R distinct input sets (R chosen so the sets exceed
 the L2 several times and one call lasts >= ~0.3 ms, hiding dispatch), called repeatedly after a
 warm-up; the median over repeats of wall time / (calls * R) is reported. --sweep also times
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import FP8_BLOCK, FP8_DTYPE as FP8, GemmConfig, act_quant, cdiv, fp8_gemm, reference, weight_dequant
 from pallas_kernels import dequantize as WD, gemm as GM, quantize as AQ
-from pallas_kernels.gemm_mgpu import MosaicGemmConfig
+from pallas_kernels.gemm_mgpu import MosaicGemmConfig, default_mosaic_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -283,7 +283,9 @@ def mosaic_candidates() -> list[MosaicGemmConfig]:
             C(num_compute_wgs=3), C(num_compute_wgs=3, max_concurrent_steps=3),
             C(epi_tile_m=64, epi_tile_n=128, max_concurrent_steps=3),
             C(cluster="n"), C(cluster="m"), C(cluster="n", max_concurrent_steps=5),
-            C(cluster="n", tile_m=128, tile_n=64, wg_dim="n"), C(cluster="m", num_compute_wgs=3)]
+            C(cluster="n", tile_m=128, tile_n=64, wg_dim="n"), C(cluster="m", num_compute_wgs=3),
+            C(tile_n=64), C(tile_n=64, cluster="n"), C(num_compute_wgs=3, memory_registers=24),
+            C(chain=False)]
 
 
 def mosaic_configs_arg(text: str) -> list[MosaicGemmConfig]:
@@ -311,7 +313,8 @@ def bench_mosaic(sz: Sizes, m: int, n: int, k: int, peak: float, configs: list) 
     want = None
     for impl, cfg in [("triton", None), ("mosaic", None)] + [("mosaic", c) for c in configs]:
         fn = lambda a, a_s, b, b_s, impl=impl, cfg=cfg: fp8_gemm(a, a_s, b, b_s, impl=impl, mosaic_config=cfg)  # noqa: E731
-        run = {"impl": impl, "config": dataclasses.asdict(cfg or MosaicGemmConfig()) if impl == "mosaic" else None,
+        used = cfg or default_mosaic_config(m, n, k)
+        run = {"impl": impl, "config": dataclasses.asdict(used) if impl == "mosaic" else None,
                "default": cfg is None}
         try:
             got = jax.jit(fn)(*ops).astype(jnp.float32)
@@ -323,7 +326,8 @@ def bench_mosaic(sz: Sizes, m: int, n: int, k: int, peak: float, configs: list) 
                        spread=t["spread"])
             log(f"M={m:5d} N={n:5d} K={k:5d} {impl:6s} {t['s'] * 1e6:9.1f} us {flops / t['s'] / 1e12:7.1f} TFLOP/s "
                 f"({100 * flops / t['s'] / peak:4.1f}% of {peak / 1e12:.0f})  rel_l2 vs triton "
-                f"{run['rel_l2_vs_triton']:.1e}  auto={row['auto_path']}  {cfg or ('default' if impl == 'mosaic' else '')}")
+                f"{run['rel_l2_vs_triton']:.1e}  auto={row['auto_path']}  "
+                f"{(('' if cfg else 'default ') + str(used)) if impl == 'mosaic' else ''}")
         except Exception as e:
             run["error"] = str(e)[:300]
             log(f"M={m:5d} N={n:5d} K={k:5d} {impl}: ERROR {str(e)[:200]}  {cfg}")
@@ -497,10 +501,9 @@ def main():
     ap.add_argument("--only", default="", help="comma list of parts: act,dequant,gemm,mosaic (default: "
                     "act,dequant,gemm)")
     ap.add_argument("--mosaic-m", default="", help="comma list of M for part mosaic (default 4096,512,128,64)")
-    ap.add_argument("--mosaic-sweep", action="store_true", help="part mosaic: also time mosaic_candidates() "
-                    "at the largest M")
+    ap.add_argument("--mosaic-sweep", action="store_true", help="part mosaic: also time mosaic_candidates()")
     ap.add_argument("--mosaic-configs", default="", help="part mosaic: JSON list of MosaicGemmConfig fields "
-                    "to time at the largest M, e.g. '[{\"max_concurrent_steps\": 5}]'")
+                    "to time too, e.g. '[{\"max_concurrent_steps\": 5}]'")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU dry run of the script")
     ap.add_argument("--m", default="", help="comma list of M to run (default: all)")
     ap.add_argument("--sweep-only", default="", help="comma list of MxNxK (or M) to sweep; default: all")
@@ -556,8 +559,7 @@ def main():
         nks = ((256, 384),) if args.smoke else MOSAIC_NK
         for m in (ms if not args.smoke else [200]):
             for n, k in nks:
-                big = m == max(ms) or args.smoke
-                rep["mosaic"].append(bench_mosaic(sz, m, n, k, PEAK_FP8, extra if big else []))
+                rep["mosaic"].append(bench_mosaic(sz, m, n, k, PEAK_FP8, extra))
                 save()
     if "gemm" in parts:
         only_m = {int(v) for v in args.m.split(",") if v}

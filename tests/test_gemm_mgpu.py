@@ -117,7 +117,8 @@ def _raises(fn, *args, match, **kw):
 
 def test_errors(rng):
     a, a_s, b, b_s = operands(rng, (4,), 200, 256)
-    _raises(fp8_gemm, a, a_s, b, b_s, impl="mosaic", match=r"fp8_gemm: impl='mosaic' cannot .* N=200 is not a multiple of 128")
+    _raises(fp8_gemm, a, a_s, b, b_s, impl="mosaic",
+            match=r"fp8_gemm: impl='mosaic' cannot .* N=200 is not a multiple of 128")
     _raises(fp8_gemm, a, a_s, b, b_s, impl="cutlass", match=r"fp8_gemm: impl is 'cutlass', expected one of")
     a, a_s, b, b_s = operands(rng, (4,), 128, 256)
     _raises(fp8_gemm, a, a_s, b, b_s, impl="mosaic", mosaic_config=MosaicGemmConfig(tile_n=96),
