@@ -12,6 +12,11 @@ Two regimes, one kernel:
     streams a slice of the weight, then a small XLA sum over the splits.
 
 How fast each regime runs, and why large M stops short of the tensor cores' peak: benchmarks/NOTES.md.
+
+On Hopper (compute capability 9.x), products with M >= MOSAIC_MIN_M, N and K multiples of 128
+take a second kernel instead, written for Pallas' Mosaic GPU backend (gemm_mgpu.py): it issues
+fp8 wgmma, which the Triton lowering never does. `fp8_gemm_path` says which kernel a call takes;
+`fp8_gemm(..., impl=...)` forces one.
 """
 from __future__ import annotations
 
@@ -26,9 +31,14 @@ from jax.experimental.pallas import triton as plgpu
 from ._common import (BLOCK, FP8, cdiv, check_dtype, check_last_dim, check_out_dtype, fail,
                       interpret_in_shard_map, match_vma, num_sms, result, rows, use_interpret,
                       vma_union)
+from .gemm_mgpu import MosaicGemmConfig, fp8_gemm_mosaic_2d, mosaic_unsupported
 from .reference import fp8_gemm_ref
 
 _FN = "fp8_gemm"
+IMPLS = ("auto", "triton", "mosaic")
+# Smallest M for which "auto" picks the Mosaic kernel on sm_90. Below it the Triton kernel's narrow
+# tiles and split-K (reading B dominates) are the faster path until measured otherwise.
+MOSAIC_MIN_M = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +103,39 @@ def auto_split(m: int, n: int, k: int, bm: int, bn: int, sms: int | None = None)
     return split
 
 
-def fp8_gemm(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.bfloat16):
+def is_sm90() -> bool:
+    """True if the default device is a GPU of compute capability 9.x (Hopper)."""
+    if use_interpret():
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
+def choose_path(m: int, n: int, k: int, impl: str, sm90: bool) -> str:
+    """"mosaic" or "triton": the kernel fp8_gemm runs for an (m, k) x (n, k)^T product.
+
+    "auto" takes the Mosaic kernel on sm_90 for m >= MOSAIC_MIN_M when it supports (n, k);
+    "mosaic" insists (a one-line ValueError says why a shape cannot take it); "triton" never.
+    """
+    if impl not in IMPLS:
+        fail(_FN, f"impl is {impl!r}, expected one of {', '.join(map(repr, IMPLS))}")
+    why = mosaic_unsupported(n, k)
+    if impl == "mosaic":
+        if why is not None:
+            fail(_FN, f"impl='mosaic' cannot run this product: {why}")
+        return "mosaic"
+    if impl == "auto" and sm90 and m >= MOSAIC_MIN_M and why is None:
+        return "mosaic"
+    return "triton"
+
+
+def fp8_gemm_path(m: int, n: int, k: int, impl: str = "auto") -> str:
+    """The kernel ("mosaic" or "triton") fp8_gemm(..., impl=impl) runs on the default device for
+    an (m, k) x (n, k)^T product: for benchmarks and logs to record which one ran."""
+    return choose_path(m, n, k, impl, is_sm90())
+
+
+def fp8_gemm(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.bfloat16,
+             impl: str = "auto", mosaic_config: MosaicGemmConfig | None = None):
     """Block-scaled FP8 matrix product ``C = (A * a_s) @ (B * b_s)^T``.
 
     Args:
@@ -102,19 +144,26 @@ def fp8_gemm(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dty
       b: float8_e4m3fn (N, K), the weight in (out, in) layout; N need not be a multiple of 128.
       b_s: float32 (ceil(N / 128), K // 128): one scale per 128x128 tile of b.
       out_dtype: bfloat16 (default), float16 or float32; accumulation is float32.
+      impl: "auto" (default: see fp8_gemm_path), "triton" or "mosaic" (the Mosaic GPU kernel; on
+        a CPU it runs in Mosaic GPU's interpreter, for tests).
+      mosaic_config: tiling of the Mosaic kernel (default: gemm_mgpu.default_mosaic_config).
 
     Returns:
       C with shape (..., N) and dtype out_dtype.
     """
     out_dtype = check_out_dtype(_FN, out_dtype)
     m, n, k = _check(a, a_s, b, b_s)
+    path = choose_path(m, n, k, impl, is_sm90())
     if m == 0 or n == 0:
         return jnp.zeros((*a.shape[:-1], n), out_dtype)
     interpret = use_interpret()
     if interpret_in_shard_map(interpret, a, a_s, b, b_s):
         return fp8_gemm_ref(a, a_s, b, b_s, out_dtype=out_dtype)
-    cfg = default_config(m, n, k)
-    c = _fp8_gemm_2d(a.reshape(m, k), a_s.reshape(m, k // BLOCK), b, b_s, out_dtype, cfg, interpret)
+    a2, a_s2 = a.reshape(m, k), a_s.reshape(m, k // BLOCK)
+    if path == "mosaic":
+        c = _mosaic_2d(a2, a_s2, b, b_s, out_dtype, mosaic_config, interpret)
+    else:
+        c = _fp8_gemm_2d(a2, a_s2, b, b_s, out_dtype, default_config(m, n, k), interpret)
     return c.reshape(*a.shape[:-1], n)
 
 
@@ -126,6 +175,13 @@ def fp8_gemm_with_config(a, a_s, b, b_s, config: GemmConfig, out_dtype=jnp.bfloa
     interpret = use_interpret() if interpret is None else interpret
     c = _fp8_gemm_2d(a.reshape(m, k), a_s.reshape(m, k // BLOCK), b, b_s, out_dtype, config, interpret)
     return c.reshape(*a.shape[:-1], n)
+
+
+def _mosaic_2d(a, a_s, b, b_s, out_dtype, config: MosaicGemmConfig | None, interpret: bool):
+    c = fp8_gemm_mosaic_2d(a, a_s, b, b_s, out_dtype, config, interpret)
+    # plgpu.kernel traces without shard_map's varying-axes types: restore them on the result
+    [c] = match_vma(vma_union(a, a_s, b, b_s), c)
+    return c
 
 
 def _check(a, a_s, b, b_s) -> tuple[int, int, int]:

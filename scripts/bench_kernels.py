@@ -6,7 +6,11 @@ Writes kernels-<gpu>.json and kernels-<gpu>.md into --out-dir (default: $OUT if 
 benchmarks/). Measures in the same run: copy bandwidth, XLA's bf16 and fp8 matmul peaks, then
   * act_quant on 4096x7168 bf16 (GB/s), weight_dequant on 18432x7168 (GB/s);
   * fp8_gemm for M in {1, 64, 4096} on DeepSeek-V3's (N, K) weight shapes, beside XLA's bf16
-    matmul and XLA's raw fp8 dot (lax.dot_general on e4m3 operands) of the same shape.
+    matmul and XLA's raw fp8 dot (lax.dot_general on e4m3 operands) of the same shape;
+  * part "mosaic" (--only mosaic, not run by default): fp8_gemm's Triton and Mosaic GPU kernels
+    side by side (impl="triton" / "mosaic") at M in {64, 128, 512, 4096} on (18432, 7168) and
+    (7168, 18432), with the kernel "auto" picks; --mosaic-sweep / --mosaic-configs add Mosaic
+    tilings (at every M of --mosaic-m). With only this part the ceilings are the constants below, not measured.
 Timing: one jitted program applies the op to R distinct input sets (R chosen so the sets exceed
 the L2 several times and one call lasts >= ~0.3 ms, hiding dispatch), called repeatedly after a
 warm-up; the median over repeats of wall time / (calls * R) is reported. --sweep also times
@@ -32,6 +36,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import FP8_BLOCK, FP8_DTYPE as FP8, GemmConfig, act_quant, cdiv, fp8_gemm, reference, weight_dequant
 from pallas_kernels import dequantize as WD, gemm as GM, quantize as AQ
+from pallas_kernels.gemm_mgpu import MosaicGemmConfig, default_mosaic_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -264,6 +269,72 @@ def bench_gemm(sz: Sizes, m: int, n: int, k: int, ceil: dict, sweep: bool, deadl
     return row
 
 
+# ---------------------------------------------------------------- fp8_gemm: Triton vs Mosaic GPU
+MOSAIC_NK = ((18432, 7168), (7168, 18432))
+MOSAIC_M = (4096, 512, 128, 64)
+
+
+def mosaic_candidates() -> list[MosaicGemmConfig]:
+    """Mosaic GPU tilings tried by --mosaic-sweep beside the default (gemm_mgpu.MosaicGemmConfig)."""
+    C = MosaicGemmConfig
+    return [C(max_concurrent_steps=3), C(max_concurrent_steps=5),
+            C(grid_tile_width=4), C(grid_tile_width=16), C(grid_minor="m"),
+            C(tile_m=128, tile_n=64, wg_dim="n"), C(tile_m=128, tile_n=64, wg_dim="m"),
+            C(num_compute_wgs=3), C(num_compute_wgs=3, max_concurrent_steps=3),
+            C(epi_tile_m=64, epi_tile_n=128, max_concurrent_steps=3),
+            C(cluster="n"), C(cluster="m"), C(cluster="n", max_concurrent_steps=5),
+            C(cluster="n", tile_m=128, tile_n=64, wg_dim="n"), C(cluster="m", num_compute_wgs=3),
+            C(tile_n=64), C(tile_n=64, cluster="n"), C(num_compute_wgs=3, memory_registers=24),
+            C(chain=False)]
+
+
+def mosaic_configs_arg(text: str) -> list[MosaicGemmConfig]:
+    """--mosaic-configs: a JSON list of MosaicGemmConfig fields, e.g. '[{"max_concurrent_steps": 5}]'."""
+    return [MosaicGemmConfig(**d) for d in json.loads(text)] if text else []
+
+
+def bench_mosaic(sz: Sizes, m: int, n: int, k: int, peak: float, configs: list) -> dict:
+    """Triton and Mosaic fp8_gemm (bf16 out) at one shape: us, TFLOP/s, share of the fp8 peak,
+    and each Mosaic result's rel. L2 distance from the Triton kernel's (a correctness guard)."""
+    flops = 2 * m * n * k
+    b8 = n * k + m * k + m * n * 2 + m * k // 128 * 4 + cdiv(n, FP8_BLOCK) * (k // FP8_BLOCK) * 4
+    key = jax.random.PRNGKey(m * 7 + n * 13 + k)
+
+    def mk8(i):
+        kk = jax.random.fold_in(key, i)
+        a, a_s = act_quant(rand(jax.random.fold_in(kk, 1), (m, k), jnp.bfloat16, 3.0))
+        b, b_s = weight(kk, n, k)
+        return a, a_s, b, b_s
+
+    row = {"M": m, "N": n, "K": k, "flops": flops, "auto_path": GM.fp8_gemm_path(m, n, k), "peak_fp8": peak,
+           "runs": []}
+    floor = max(b8 / HBM, flops / peak)
+    ops = mk8(0)
+    want = None
+    for impl, cfg in [("triton", None), ("mosaic", None)] + [("mosaic", c) for c in configs]:
+        fn = lambda a, a_s, b, b_s, impl=impl, cfg=cfg: fp8_gemm(a, a_s, b, b_s, impl=impl, mosaic_config=cfg)  # noqa: E731
+        used = cfg or default_mosaic_config(m, n, k)
+        run = {"impl": impl, "config": dataclasses.asdict(used) if impl == "mosaic" else None,
+               "default": cfg is None}
+        try:
+            got = jax.jit(fn)(*ops).astype(jnp.float32)
+            if want is None:
+                want = got
+            run["rel_l2_vs_triton"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+            t = time_op(fn, mk8, b8, floor, sz.max_sets)
+            run.update(us=t["s"] * 1e6, tflops=flops / t["s"] / 1e12, of_peak=flops / t["s"] / peak,
+                       spread=t["spread"])
+            log(f"M={m:5d} N={n:5d} K={k:5d} {impl:6s} {t['s'] * 1e6:9.1f} us {flops / t['s'] / 1e12:7.1f} TFLOP/s "
+                f"({100 * flops / t['s'] / peak:4.1f}% of {peak / 1e12:.0f})  rel_l2 vs triton "
+                f"{run['rel_l2_vs_triton']:.1e}  auto={row['auto_path']}  "
+                f"{(('' if cfg else 'default ') + str(used)) if impl == 'mosaic' else ''}")
+        except Exception as e:
+            run["error"] = str(e)[:300]
+            log(f"M={m:5d} N={n:5d} K={k:5d} {impl}: ERROR {str(e)[:200]}  {cfg}")
+        row["runs"].append(run)
+    return row
+
+
 # ---------------------------------------------------------------- PTX inspection
 INSPECT = r"""
 import sys, json
@@ -333,12 +404,13 @@ def markdown(rep: dict) -> str:
             L.append(f"- **{name}** {r['shape'][0]}x{r['shape'][1]}: default tile {d['tile']} {d['us']:.1f} us = "
                      f"{d['GBps']:.0f} GB/s; best tile {b['tile']} {b['us']:.1f} us = {b['GBps']:.0f} GB/s; "
                      f"memory floor {r['floor_us']:.1f} us; XLA (jnp twin) {r['xla_twin_us']:.1f} us.")
-    L += ["", "fp8_gemm (block-scaled, bf16 out) vs XLA bf16 matmul and XLA raw fp8 dot of the same shape. "
+    L += [] if not rep["gemm"] else ["", "fp8_gemm (block-scaled, bf16 out) vs XLA bf16 matmul and XLA raw fp8 dot of the same shape. "
           "Floors: memory = bytes / bandwidth, compute = FLOPs / peak (fp8 peak for ours and XLA fp8, "
           "bf16 peak for XLA bf16), with the ceilings named above. Times in us.", "",
           "| M | N x K | ours (default) | ours (best) | TFLOP/s (best) | best config | floor fp8 mem / compute "
           "| XLA bf16 | floor bf16 mem / compute | XLA fp8 | run |",
           "|---:|---|---:|---:|---:|---|---|---:|---|---:|---|"]
+    L += [] if rep["gemm"] else [""]
     order = {m: i for i, m in enumerate(sorted({r["M"] for r in rep["gemm"]}))}
     for r in sorted(rep["gemm"], key=lambda r: order[r["M"]]):
         bc = r.get("ours_best_config") or {}
@@ -350,6 +422,23 @@ def markdown(rep: dict) -> str:
                  f"{fmt(tf)} | {cfg} | {f8['mem_us']:.1f} / {f8['compute_us']:.1f} | {fmt(r.get('xla_bf16_us'))} | "
                  f"{f16['mem_us']:.1f} / {f16['compute_us']:.1f} | {fmt(r.get('xla_fp8_us'))} | "
                  f"{r.get('run', rep['date'])} |")
+    if rep.get("mosaic"):
+        L += ["", "fp8_gemm, Triton vs Mosaic GPU kernel (bf16 out; impl forced; `auto` = the kernel fp8_gemm "
+              "picks by default). Share of the fp8 peak named in the row.", "",
+              "| M | N x K | auto | impl | config | us | TFLOP/s | of peak | rel L2 vs Triton |",
+              "|---:|---|---|---|---|---:|---:|---:|---:|"]
+        for r in rep["mosaic"]:
+            for x in r["runs"]:
+                c = x.get("config")
+                cfg = "-" if not c else ("default" if x.get("default") else ", ".join(
+                    f"{k}={v}" for k, v in c.items() if v != getattr(MosaicGemmConfig(), k)))
+                if "error" in x:
+                    L.append(f"| {r['M']} | {r['N']}x{r['K']} | {r['auto_path']} | {x['impl']} | {cfg} | error: "
+                             f"{x['error'][:80]} | | | |")
+                else:
+                    L.append(f"| {r['M']} | {r['N']}x{r['K']} | {r['auto_path']} | {x['impl']} | {cfg} | {x['us']:.1f} | "
+                             f"{x['tflops']:.0f} | {100 * x['of_peak']:.0f}% of {r['peak_fp8'] / 1e12:.0f} | "
+                             f"{x['rel_l2_vs_triton']:.1e} |")
     if rep.get("inspect"):
         L += ["", "Tensor-core instructions in the PTX XLA compiled (M=4096, N=2048, K=7168):", ""]
         for r in rep["inspect"]:
@@ -409,7 +498,12 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time alternative tilings")
     ap.add_argument("--budget-s", type=float, default=420, help="stop sweeping after this many seconds")
     ap.add_argument("--inspect", action="store_true", help="count wgmma / mma.sync in XLA's PTX")
-    ap.add_argument("--only", default="", help="comma list of parts: act,dequant,gemm")
+    ap.add_argument("--only", default="", help="comma list of parts: act,dequant,gemm,mosaic (default: "
+                    "act,dequant,gemm)")
+    ap.add_argument("--mosaic-m", default="", help="comma list of M for part mosaic (default 4096,512,128,64)")
+    ap.add_argument("--mosaic-sweep", action="store_true", help="part mosaic: also time mosaic_candidates()")
+    ap.add_argument("--mosaic-configs", default="", help="part mosaic: JSON list of MosaicGemmConfig fields "
+                    "to time too, e.g. '[{\"max_concurrent_steps\": 5}]'")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU dry run of the script")
     ap.add_argument("--m", default="", help="comma list of M to run (default: all)")
     ap.add_argument("--sweep-only", default="", help="comma list of MxNxK (or M) to sweep; default: all")
@@ -434,7 +528,12 @@ def main():
         rep["inspect"] = inspect_ptx([GemmConfig(128, 128, 1, 8, 3, "f16"), GemmConfig(128, 128, 1, 8, 3, "fp8")])
     global HBM
     sz = SMOKE if args.smoke else Sizes()
-    rep["ceilings"] = ceilings(sz)
+    if parts == {"mosaic"}:  # a quick A/B: the ceilings are this file's constants
+        rep["ceilings"] = {"copy_Bps": HBM, "bf16_flops": PEAK_BF16, "fp8_flops": PEAK_FP8}
+        rep["ceilings_note"] = (f"Ceilings not measured in this run: copy {HBM / 1e12:.2f} TB/s, fp8 peak "
+                                f"{PEAK_FP8 / 1e12:.0f} TFLOP/s (bench_kernels.py constants).")
+    else:
+        rep["ceilings"] = ceilings(sz)
     HBM = rep["ceilings"]["copy_Bps"]
     log("ceilings", rep["ceilings"])
     if "act" in parts:
@@ -453,6 +552,15 @@ def main():
         (out / f"{stem}.json").write_text(json.dumps(rep, indent=1, default=str))
         (out / f"{stem}.md").write_text(markdown(rep))
 
+    if "mosaic" in parts:
+        rep["mosaic"] = []
+        ms = [int(v) for v in args.mosaic_m.split(",") if v] or list(MOSAIC_M)
+        extra = (mosaic_candidates() if args.mosaic_sweep else []) + mosaic_configs_arg(args.mosaic_configs)
+        nks = ((256, 384),) if args.smoke else MOSAIC_NK
+        for m in (ms if not args.smoke else [200]):
+            for n, k in nks:
+                rep["mosaic"].append(bench_mosaic(sz, m, n, k, PEAK_FP8, extra))
+                save()
     if "gemm" in parts:
         only_m = {int(v) for v in args.m.split(",") if v}
         sweep_only = set(args.sweep_only.split(",")) - {""}

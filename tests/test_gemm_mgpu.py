@@ -1,0 +1,236 @@
+"""The Mosaic GPU fp8 GEMM (pallas_kernels/gemm_mgpu.py) and fp8_gemm's choice of kernel, on a CPU.
+
+Mosaic GPU's interpret mode simulates the kernel's warpgroups, TMA copies, barriers and wgmma on
+the CPU, so the kernel's results are checked here at small shapes against the jnp twin
+(`fp8_gemm_ref`) and float64 numpy. What the interpreter cannot say (that the kernel compiles for
+sm_90, fits its SMEM, and is fast) is covered by lowering it for CUDA without a GPU (which runs
+the whole Pallas -> Mosaic GPU lowering, SMEM budget included) and by the GPU tests at the end of
+this file (`pytest -m gpu tests/test_gemm_mgpu.py`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from script_modules import load_script
+from kernel_checks import FP8, activations, fp8_weight, numpy_gemm, rel_l2
+from pallas_kernels import act_quant, fp8_gemm
+from pallas_kernels import gemm as GM
+from pallas_kernels.gemm_mgpu import MosaicGemmConfig, default_mosaic_config, fp8_gemm_mosaic_2d
+from pallas_kernels.reference import fp8_gemm_ref
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+
+
+def operands(rng, lead, n, k, scale_fmt=None):
+    """(a, a_s, b, b_s) as the model makes them; ue8m0: power-of-two scales on both sides."""
+    a, a_s = act_quant(activations(rng, (*lead, k), special_blocks=False), scale_fmt=scale_fmt)
+    b, b_s = fp8_weight(rng, n, k)
+    if scale_fmt == "ue8m0":
+        b_s = jnp.exp2(jnp.round(jnp.log2(b_s)))
+    return a, a_s, b, b_s
+
+
+def check(c, a, a_s, b, b_s, out_dtype):
+    """c against the jnp twin (same float32 math: only the order of additions differs) and float64
+    numpy (float32 output: accumulation-order error only; bfloat16 adds its 2^-9 rounding)."""
+    assert c.shape == (*a.shape[:-1], b.shape[0]) and c.dtype == jnp.dtype(out_dtype)
+    twin = fp8_gemm_ref(a, a_s, b, b_s, out_dtype=jnp.float32)
+    f32 = jnp.dtype(out_dtype) == jnp.float32
+    assert rel_l2(c, twin) < (1e-6 if f32 else 5e-3)
+    assert rel_l2(c, numpy_gemm(a, a_s, b, b_s)) < (1e-3 if f32 else 5e-3)
+
+
+# ---------------------------------------------------------------- interpret mode (CPU)
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+@pytest.mark.parametrize("m", [1, 100, 256])
+def test_mosaic_interpret_matches_twin(rng, m, scale_fmt):
+    """M = 1 and 100 (shorter than a CTA tile: padded), 256 (two row tiles); two column tiles."""
+    a, a_s, b, b_s = operands(rng, (m,), 256, 384, scale_fmt)
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        check(fp8_gemm(a, a_s, b, b_s, out_dtype=out_dtype, impl="mosaic"), a, a_s, b, b_s, out_dtype)
+
+
+def test_mosaic_interpret_leading_dims_under_jit(rng):
+    a, a_s, b, b_s = operands(rng, (2, 3), 256, 256)
+    f = jax.jit(functools.partial(fp8_gemm, out_dtype=jnp.float32, impl="mosaic"))
+    check(f(a, a_s, b, b_s), a, a_s, b, b_s, jnp.float32)
+
+
+@pytest.mark.parametrize("config", [
+    MosaicGemmConfig(tile_m=128, tile_n=64, wg_dim="n"),                # 128x128 CTA, split along N
+    MosaicGemmConfig(tile_n=64, wg_dim="n", max_ctas=2),                 # 64x128 CTA, 2 CTAs loop over 8 tiles
+    MosaicGemmConfig(num_compute_wgs=3, max_concurrent_steps=2),          # 192-row CTA: ragged last tile
+    MosaicGemmConfig(num_compute_wgs=1, tile_n=32, epi_tile_m=32, epi_tile_n=16, max_ctas=3,
+                     grid_minor="m", grid_tile_width=1),                  # 4 output pieces, 2 slots
+    MosaicGemmConfig(cluster="n", max_ctas=2),                           # CTA pairs share A (multicast)
+    MosaicGemmConfig(cluster="m", max_ctas=4),                           # pairs share B; 2nd tile partly past M
+])
+def test_mosaic_interpret_configs(rng, config):
+    """Every kind of tiling, on a product of several tiles per CTA (M = 200 ragged, 3 K-blocks)."""
+    a, a_s, b, b_s = operands(rng, (200,), 256, 384)
+    c = fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, impl="mosaic", mosaic_config=config)
+    check(c, a, a_s, b, b_s, jnp.float32)
+
+
+@pytest.mark.parametrize("config", [
+    MosaicGemmConfig(max_ctas=3),                                        # 3, 3 and 2 tiles per CTA
+    MosaicGemmConfig(max_ctas=4, max_concurrent_steps=2),                # 2 tiles per CTA
+    MosaicGemmConfig(max_ctas=8, max_concurrent_steps=2),                # one tile per CTA: not chained
+    MosaicGemmConfig(max_ctas=2, cluster="n"),
+    MosaicGemmConfig(max_ctas=3, chain=False),
+])
+def test_mosaic_interpret_chained_tiles(rng, config):
+    """K/128 = 4 steps, a multiple of the ring depth: one pipeline runs on across a CTA's tiles."""
+    a, a_s, b, b_s = operands(rng, (200,), 512, 512)
+    c = fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.bfloat16, impl="mosaic", mosaic_config=config)
+    check(c, a, a_s, b, b_s, jnp.bfloat16)
+
+
+# ---------------------------------------------------------------- which kernel runs
+def test_choose_path():
+    ch = GM.choose_path
+    assert ch(GM.MOSAIC_MIN_M, 18432, 7168, "auto", sm90=True) == "mosaic"
+    assert ch(GM.MOSAIC_MIN_M - 1, 18432, 7168, "auto", sm90=True) == "triton"
+    assert ch(4096, 2112, 7168, "auto", sm90=True) == "triton"  # N not a multiple of 128
+    assert ch(4096, 18432, 7168, "auto", sm90=False) == "triton"
+    assert ch(4096, 18432, 7168, "triton", sm90=True) == "triton"
+    assert ch(1, 256, 128, "mosaic", sm90=False) == "mosaic"
+    assert GM.fp8_gemm_path(4096, 18432, 7168) == "triton"  # a CPU: no sm_90
+
+
+def _raises(fn, *args, match, **kw):
+    with pytest.raises(ValueError, match=match) as e:
+        fn(*args, **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_errors(rng):
+    a, a_s, b, b_s = operands(rng, (4,), 200, 256)
+    _raises(fp8_gemm, a, a_s, b, b_s, impl="mosaic",
+            match=r"fp8_gemm: impl='mosaic' cannot .* N=200 is not a multiple of 128")
+    _raises(fp8_gemm, a, a_s, b, b_s, impl="cutlass", match=r"fp8_gemm: impl is 'cutlass', expected one of")
+    a, a_s, b, b_s = operands(rng, (4,), 128, 256)
+    _raises(fp8_gemm, a, a_s, b, b_s, impl="mosaic", mosaic_config=MosaicGemmConfig(tile_n=96),
+            match=r"fp8_gemm_mosaic: .* needs tile_n a multiple of 16 dividing 128")
+    _raises(fp8_gemm, a, a_s, b, b_s, impl="mosaic", mosaic_config=MosaicGemmConfig(wg_dim="n"),
+            match=r"fp8_gemm_mosaic: N=128 is not a multiple of the 256 columns of a CTA tile ")
+
+
+# ---------------------------------------------------------------- lowering for CUDA (no GPU needed)
+def _lower_cuda(f, *shapes, shardings=None):
+    shardings = shardings or [None] * len(shapes)
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for (s, d), sh in zip(shapes, shardings)]
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _v3_shapes(m, n, k):
+    return ((m, k), FP8), ((m, k // 128), jnp.float32), ((n, k), FP8), ((n // 128, k // 128), jnp.float32)
+
+
+@pytest.mark.parametrize("m,n,k", [(4096, 18432, 7168), (4096, 7168, 18432), (333, 24576, 1536)])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_mosaic_lowers_for_cuda(m, n, k, out_dtype):
+    """The whole Pallas -> Mosaic GPU lowering at DeepSeek-V3's shapes, SMEM budget included."""
+    f = functools.partial(fp8_gemm_mosaic_2d, out_dtype=out_dtype, config=default_mosaic_config(m, n, k))
+    assert "mosaic_gpu" in _lower_cuda(f, *_v3_shapes(m, n, k))
+
+
+def test_bench_sweep_configs_lower_for_cuda():
+    """Every Mosaic tiling scripts/bench_kernels.py --mosaic-sweep times lowers (fits its SMEM)."""
+    bench = load_script("bench_kernels")
+    for cfg in bench.mosaic_candidates():
+        f = functools.partial(fp8_gemm_mosaic_2d, out_dtype=jnp.bfloat16, config=cfg)
+        assert "mosaic_gpu" in _lower_cuda(f, *_v3_shapes(4096, 18432, 7168)), cfg
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_mosaic_lowers_in_shard_map_for_cuda(check_vma):
+    """Column-parallel use, as in the model: B's rows split over the mesh. (fp8_gemm would take
+    the jnp twin in CPU interpret mode here, so the test calls its compiled Mosaic branch.)"""
+    mesh = jax.make_mesh((1,), ("mp",), devices=jax.devices()[:1])
+    local = functools.partial(GM._mosaic_2d, out_dtype=jnp.bfloat16, config=None, interpret=False)
+    specs = (P(), P(), P("mp"), P("mp"))
+    f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(None, "mp"), check_vma=check_vma)
+    shardings = [NamedSharding(mesh, s) for s in specs]
+    assert "mosaic_gpu" in _lower_cuda(f, *_v3_shapes(256, 1024, 512), shardings=shardings)
+
+
+# ---------------------------------------------------------------- compiled on an sm_90 GPU
+def _gpu_oracle(a, a_s, b, b_s):
+    """float32 on the GPU at HIGHEST precision: the jnp twin where its (K/128, M, N) partial
+    products fit in 1 GiB, else the same sum as one product of the dequantised operands."""
+    m, k = a.shape
+    n = b.shape[0]
+    with jax.default_matmul_precision("highest"):
+        if m * n * (k // 128) * 4 <= 2**30:
+            return fp8_gemm_ref(a, a_s, b, b_s, out_dtype=jnp.float32)
+        ad = (a.astype(jnp.float32).reshape(m, k // 128, 128) * a_s[..., None]).reshape(m, k)
+        sb = jnp.repeat(b_s, 128, axis=0)[:n]
+        bd = (b.astype(jnp.float32).reshape(n, k // 128, 128) * sb[..., None]).reshape(n, k)
+        return ad @ bd.T
+
+
+def _v3_operands(m, n, k, scale_fmt):
+    key = jax.random.PRNGKey(m + n + k)
+    x = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
+    a, a_s = act_quant(x, scale_fmt=scale_fmt)
+    b = (jax.random.normal(jax.random.fold_in(key, 1), (n, k)) * 64).astype(FP8)
+    e = jax.random.uniform(jax.random.fold_in(key, 2), (n // 128, k // 128), minval=-12, maxval=-4)
+    b_s = jnp.exp2(jnp.round(e) if scale_fmt == "ue8m0" else e)
+    return a, a_s, b, b_s
+
+
+@pytest.mark.gpu
+def test_gpu_is_sm90():
+    assert GM.is_sm90(), f"expected an sm_90 GPU, got {jax.devices()[0]}"
+    assert GM.fp8_gemm_path(4096, 18432, 7168) == "mosaic" and GM.fp8_gemm_path(64, 18432, 7168) == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,scale_fmt,out_dtypes", [
+    (4096, 18432, 7168, None, ("bfloat16", "float32")),
+    (4096, 7168, 18432, "ue8m0", ("bfloat16",)),
+    (513, 24576, 1536, None, ("bfloat16",)),       # ragged M (padded to a multiple of 8)
+    (128, 7168, 18432, "ue8m0", ("float32",)),
+    (1, 18432, 7168, None, ("bfloat16",)),          # forced Mosaic at M = 1 (auto takes Triton)
+])
+def test_gpu_mosaic_v3_shapes(m, n, k, scale_fmt, out_dtypes):
+    a, a_s, b, b_s = _v3_operands(m, n, k, scale_fmt)
+    want = np.asarray(_gpu_oracle(a, a_s, b, b_s))
+    for out_dtype in map(jnp.dtype, out_dtypes):
+        c = fp8_gemm(a, a_s, b, b_s, out_dtype=out_dtype, impl="mosaic")
+        assert c.shape == (m, n) and c.dtype == out_dtype
+        err = rel_l2(c, want)
+        assert err < (1e-4 if out_dtype == jnp.float32 else 5e-3), (str(out_dtype), err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [MosaicGemmConfig(cluster="n"), MosaicGemmConfig(cluster="m", num_compute_wgs=3),
+                                 MosaicGemmConfig(tile_m=128, tile_n=64, wg_dim="n", max_concurrent_steps=5)])
+def test_gpu_mosaic_tilings(cfg):
+    """Tilings the sweep may promote to default, on a ragged M."""
+    a, a_s, b, b_s = _v3_operands(1000, 7168, 2048, None)
+    c = fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, impl="mosaic", mosaic_config=cfg)
+    assert rel_l2(c, np.asarray(_gpu_oracle(a, a_s, b, b_s))) < 1e-4
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_shard_map_and_leading_dims(rng):
+    mesh = jax.make_mesh((1,), ("mp",), devices=jax.devices()[:1])
+    a, a_s, b, b_s = operands(rng, (2, 160), 1024, 512)
+    specs = (P(), P(), P("mp"), P("mp"))
+    f = jax.jit(jax.shard_map(functools.partial(fp8_gemm, out_dtype=jnp.float32, impl="mosaic"), mesh=mesh,
+                              in_specs=specs, out_specs=P(None, None, "mp")))
+    c = f(*(jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip((a, a_s, b, b_s), specs)))
+    assert rel_l2(c, numpy_gemm(a, a_s, b, b_s)) < 1e-3
