@@ -256,21 +256,17 @@ class Experts(nnx.Module):
         slots of other ranks' experts (-1) come out zero. Each slot reads its expert's weights, so
         experts chosen by several tokens are read several times: for steps of a few tokens."""
         tokens, topk = weights.shape
-        slots = tokens * topk
         stacked = stack_index if self.w1.weight.ndim == 4 else None
         scale = lambda linear: None if linear.scale is None else linear.scale[...]  # noqa: E731
-        # at least one row tile of slots (the extra ones name no expert), so that the kernels need
-        # not pad their inputs: the gather below makes the rows in the same kernel either way
-        padded = max(slots, _kernel_tiles(slots, False, True)["block_m"])
-        slot = jnp.arange(padded)
-        rows = jnp.take(x, jnp.minimum(slot // topk, tokens - 1), axis=0)
-        slot_experts = jnp.pad(slot_experts, (0, padded - slots), constant_values=-1)
-        row_weights = jnp.pad(weights.reshape(-1).astype(jnp.float32), (0, padded - slots))
+        # one row per slot: each is a tile of its own (padding the slots to a whole tile of rows
+        # launched a tile per padded row too: b=1 3.35 ms against 2.94 ms, benchmarks/NOTES.md 16)
+        rows = jnp.repeat(x, topk, axis=0)
+        row_weights = weights.reshape(-1).astype(jnp.float32)
         hidden = grouped_swiglu(rows, self.w1.weight[...], self.w3.weight[...], scale(self.w1), scale(self.w3),
                                 None, row_groups=slot_experts, **ctx.gemm, stack_index=stacked)
         out = grouped_matmul(hidden, self.w2.weight[...], scale(self.w2), None, row_groups=slot_experts, **ctx.gemm,
                              use_kernel=True, stack_index=stacked, row_scale=row_weights)
-        return out[:slots].reshape(tokens, topk, -1).sum(axis=1)
+        return out.reshape(tokens, topk, -1).sum(axis=1)
 
 
 class MoE(nnx.Module):

@@ -212,7 +212,10 @@ def test_gpu_mosaic_v3_shapes(m, n, k, scale_fmt, out_dtypes):
         c = fp8_gemm(a, a_s, b, b_s, out_dtype=out_dtype, impl="mosaic")
         assert c.shape == (m, n) and c.dtype == out_dtype
         err = rel_l2(c, want)
-        assert err < (1e-4 if out_dtype == jnp.float32 else 5e-3), (str(out_dtype), err)
+        # Hopper's fp8 wgmma adds its products with about 14 mantissa bits (DeepSeek-V3 report,
+        # section 3.3.2; the reason for promoting each 128-K block into float32): at K = 7168 that
+        # measured 1.27e-4 relative L2 in float32 (benchmarks/raw/mosaic-gemm-gpu-tests-callC1.log)
+        assert err < (5e-4 if out_dtype == jnp.float32 else 5e-3), (str(out_dtype), err)
 
 
 @pytest.mark.gpu
