@@ -1,0 +1,268 @@
+"""Grouped expert GEMM on Hopper's wgmma (Pallas Mosaic GPU) for prefill-sized steps.
+
+``out[r] = x[r] @ w[g(r)]^T`` for rows sorted by group, as `grouped.grouped_gemm` computes it,
+but through the Mosaic GPU backend: TMA copies x and w tiles into swizzled shared memory, a
+pipelined K loop (`plgpu.emit_pipeline`, `max_concurrent_steps` tiles in flight) feeds bf16
+wgmma with a float32 register accumulator, and a persistent grid (one program per SM) walks
+the (row tile, column tile) pairs. The Triton kernel issues mma.sync on 64x128 tiles and
+reaches ~240 TFLOP/s at prefill on an H200; wgmma on 128x128 tiles is what Hopper needs.
+
+Only the experts in use are read: the row tiles come from `grouped.tile_schedule` (each tile
+holds rows of one group, starting at that group's rows), computed in XLA and read by the kernel
+from global memory. Rows past the groups' sum form one extra "zero group" whose tiles store
+zeros without a K loop, so the output needs no zero-filled buffer of its own.
+
+A tile's x rows start at its first row, clamped so the TMA box stays inside x; the rows that
+belong to the group are then stored from shared memory with a ladder of TMA stores of 2^i rows
+(a TMA box has a static shape, the number of rows is known only at run time).
+
+Supported (the rest of `grouped_gemm`'s contract stays on the Triton kernel, see
+`mosaic_supports`): bf16 x and w (G, N, K), or a layer stack (L, G, N, K) indexed in place by
+`layer` (the TMA descriptor covers the whole stack: 64-bit addresses); `row_scale`; float32 or
+bf16 output. N must be a multiple of block_n, K of block_k. fp8 weights are not done here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ._common import cdiv, fail, num_sms, use_interpret
+
+_FN = "grouped_gemm_mgpu"
+MOSAIC_MIN_ROWS = 1024  # dispatch: steps with more rows than this (prefill) take the wgmma kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """Tile sizes and pipeline depth of `grouped_gemm_mgpu` (the knobs a benchmark sweeps).
+
+    block_m x block_n is one warpgroup's float32 accumulator (128 x 128: 128 registers a thread);
+    block_k is one pipeline step's K extent (64 bf16 = one 128-byte swizzle row);
+    max_concurrent_steps is how many K steps' tiles are in flight in shared memory; grid_tile_width
+    the width of the snake over (row tile, column tile) that orders the persistent loop for L2.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_tile_width: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> "MosaicTiles":
+        """'block_m=128,block_n=128,max_concurrent_steps=4' -> MosaicTiles (unnamed fields default)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for item in filter(None, text.split(",")):
+            key, _, value = item.partition("=")
+            if key.strip() not in fields or not value.strip().isdigit():
+                raise ValueError(f"MosaicTiles: bad item {item!r} in {text!r}; expected NAME=INT with NAME in {sorted(fields)}")
+            kwargs[key.strip()] = int(value)
+        return cls(**kwargs)
+
+    def smem_bytes(self, out_dtype) -> int:
+        """Shared memory the kernel allocates: the pipeline's x and w tiles, the output tile."""
+        stage = (self.block_m + self.block_n) * self.block_k * 2
+        return self.max_concurrent_steps * stage + self.block_m * self.block_n * jnp.dtype(out_dtype).itemsize
+
+
+SHARED_MEMORY_BYTES = 227 * 1024  # the most dynamic shared memory one block may use on sm_90
+
+
+def mosaic_supports(x: jax.Array, w: jax.Array, w_scale, out_dtype, tiles: MosaicTiles = MosaicTiles()) -> str | None:
+    """None if `grouped_gemm_mgpu` computes this call, else the reason it does not (a phrase)."""
+    if w_scale is not None or w.dtype != jnp.bfloat16:
+        return f"weights {jnp.dtype(w.dtype).name}{' with scales' if w_scale is not None else ''}, not bf16"
+    if x.dtype != jnp.bfloat16:
+        return f"x {jnp.dtype(x.dtype).name}, not bf16"
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return f"out_dtype {jnp.dtype(out_dtype).name}"
+    n, k = w.shape[-2:]
+    if n % tiles.block_n or k % tiles.block_k:
+        return f"N={n} or K={k} not a multiple of block_n={tiles.block_n} / block_k={tiles.block_k}"
+    return None
+
+
+def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, layer: jax.Array | int | None = None,
+                      row_scale: jax.Array | None = None, out_dtype=jnp.float32,
+                      tiles: MosaicTiles = MosaicTiles(), interpret: bool | None = None) -> jax.Array:
+    """Rows of x (M, K) bf16, sorted by group, times their group's w (G, N, K) bf16 transposed.
+
+    Args:
+      x: bfloat16 (M, K).
+      w: bfloat16 (G, N, K); with `layer`, a stack (L, G, N, K) of which layer[()] is read in place.
+      group_sizes: int32 (G,): rows of each group, in order; rows past their sum come out zero.
+      row_scale: optional float32 (M,): row r's float32 result times row_scale[r] before the store.
+      out_dtype: float32 or bfloat16.
+      tiles: tile sizes and pipeline depth (`MosaicTiles`).
+      interpret: run in Mosaic GPU interpret mode; None: when the default backend is not a GPU
+        (False lets a CPU-only test lower the kernel for CUDA).
+
+    Returns (M, N) in out_dtype. Runs compiled on an sm_90 GPU; elsewhere in Mosaic GPU interpret
+    mode (a CPU simulation of the threads, TMA and wgmma: slow, for tests at small shapes).
+    """
+    stacked = layer is not None
+    if stacked != (w.ndim == 4):
+        fail(_FN, f"w has shape {tuple(w.shape)}: a stack (L, G, N, K) goes with `layer`, (G, N, K) without")
+    if x.ndim != 2 or w.ndim not in (3, 4) or group_sizes.ndim != 1:
+        fail(_FN, f"expects x (M, K), w (G, N, K), group_sizes (G,); got {x.shape}, {w.shape}, {group_sizes.shape}")
+    m, k = x.shape
+    groups, n, kw = w.shape[-3:]
+    if kw != k:
+        fail(_FN, f"w has shape {tuple(w.shape)}, expected (..., G, N, {k}) with K from x")
+    if group_sizes.shape[0] != groups:
+        fail(_FN, f"group_sizes has {group_sizes.shape[0]} entries for {groups} groups in w")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        fail(_FN, f"group_sizes has dtype {group_sizes.dtype}, expected an integer type")
+    reason = mosaic_supports(x, w, None, out_dtype, tiles)
+    if w.dtype != jnp.bfloat16 or reason:
+        fail(_FN, f"unsupported: {reason or f'w {w.dtype}'}")
+    if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
+        fail(_FN, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 ({m},)")
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    if bm % 64 or bn % 64 or bk % 64 or tiles.max_concurrent_steps < 2 or tiles.grid_tile_width < 1:
+        fail(_FN, f"tiles {tiles}: block_m, block_n, block_k must be multiples of 64, "
+                  f"max_concurrent_steps >= 2, grid_tile_width >= 1")
+    if tiles.smem_bytes(out_dtype) > SHARED_MEMORY_BYTES:
+        fail(_FN, f"tiles {tiles} need {tiles.smem_bytes(out_dtype)} bytes of shared memory, "
+                  f"more than {SHARED_MEMORY_BYTES}")
+    if m == 0 or n == 0:
+        return jnp.zeros((m, n), out_dtype)
+    if not stacked:
+        w = w[None]
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+
+    # rows past the groups' sum: one more group, whose tiles store zeros
+    sizes = group_sizes.astype(jnp.int32)
+    sizes = jnp.concatenate([sizes, jnp.maximum(m - sizes.sum(), 0)[None]])
+    schedule, max_tiles = aligned_tile_schedule(sizes, m, bm, layer)
+    m_blocks = cdiv(m, bm) * bm
+    interpret = use_interpret() if interpret is None else interpret
+    if m_blocks > m and (interpret or m % 8):
+        # the last x box reaches past x. A GPU's TMA reads zeros there, but its descriptor needs
+        # x's rows in whole 8-row tiles, and the interpreter's dynamic slice would move the box
+        # back inside x instead: then x gets the missing rows for real (a copy of x)
+        x = jnp.pad(x, ((0, m_blocks - m), (0, 0)))
+    operands = [schedule, x, w]
+    if row_scale is not None:
+        operands.append(jnp.pad(row_scale, (0, m_blocks - m)))
+
+    kernel = functools.partial(_grouped_gemm_mgpu_kernel, groups=groups, n=n, k=k, max_tiles=max_tiles, tiles=tiles,
+                               row_scale=row_scale is not None)
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(min(num_sms(), max_tiles * (n // bn)),),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return call(*operands)
+
+
+def aligned_tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tuple[jax.Array, int]:
+    """int32 (6, T): per tile its group, row block (x rows block*block_m .. +block_m), the first
+    and end row of the group within that block, 1 if the tile exists, and the weight stack's layer.
+
+    Row blocks are aligned to block_m (the kernel's TMA boxes must start at a provable multiple of
+    the shared-memory tiling); a block holding rows of several groups is one tile per group, so
+    T = ceil(M / block_m) + min(G, M) bounds the tiles of any split of M rows into G groups.
+    """
+    groups = group_sizes.shape[0]
+    max_tiles = cdiv(m, block_m) + min(groups, m)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    first_block = starts // block_m
+    tiles = jnp.where(group_sizes > 0, (ends - 1) // block_m - first_block + 1, 0)
+    tile_ends = jnp.cumsum(tiles)
+    t = jnp.arange(max_tiles, dtype=jnp.int32)
+    # compare_all: one fused comparison, not a loop of device round trips (see grouped.tile_schedule)
+    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right", method="compare_all"), groups - 1).astype(jnp.int32)
+    block = first_block[group] + t - (tile_ends[group] - tiles[group])
+    lo = jnp.maximum(starts[group], block * block_m)
+    hi = jnp.minimum(ends[group], (block + 1) * block_m)
+    exists = (t < tile_ends[-1]).astype(jnp.int32)
+    layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (max_tiles,))
+    return jnp.stack([group, block, lo, hi, exists, layers]).astype(jnp.int32), max_tiles
+
+
+def _grouped_gemm_mgpu_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k, max_tiles, tiles, row_scale):
+    """One SM's share of the (row tile, column tile) pairs. refs: row_scale (if given), the output."""
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    rs_gmem = refs[0] if row_scale else None
+    o_gmem = refs[-1]
+    grid_n = n // bn
+
+    @plgpu.nd_loop((max_tiles * grid_n,), collective_axes="sm")
+    def _tile_loop(info: plgpu.NDLoopInfo):
+        t, j = plgpu.planar_snake(info.index[0], (max_tiles, grid_n), 1, tiles.grid_tile_width)
+        group, block, lo, hi, exists, layer = (sched_gmem[i, t] for i in range(6))
+
+        @pl.when(exists > 0)
+        def _():
+            start = block * bm  # the x box's first row
+
+            def acc_scope(acc_ref):
+                @pl.when(group < groups)  # the zero group keeps the zero-initialised accumulator
+                def _():
+                    plgpu.emit_pipeline(
+                        lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0))),
+                        grid=(k // bk,),
+                        in_specs=[plgpu.BlockSpec((bm, bk), lambda kb: (0, kb), delay_release=1),
+                                  plgpu.BlockSpec((bn, bk), lambda kb: (0, kb), delay_release=1)],
+                        max_concurrent_steps=tiles.max_concurrent_steps,
+                    )(x_gmem.at[pl.ds(start, bm)], w_gmem.at[layer, group, pl.ds(j * bn, bn)])
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+            if row_scale:
+                acc = acc * _load_rows(rs_gmem, start, bm)[:, None]
+            _store_rows(acc, o_gmem, lo - start, lo, hi - lo, j * bn, bm, bn)
+
+
+def _load_rows(rs_gmem, start, bm):
+    """row_scale[start : start + bm] (float32) through shared memory."""
+
+    def scope(rs_smem, barrier):
+        plgpu.copy_gmem_to_smem(rs_gmem.at[pl.ds(start, bm)], rs_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        return rs_smem[...]
+
+    return pl.run_scoped(scope, plgpu.SMEM((bm,), jnp.float32), plgpu.Barrier())
+
+
+def _store_rows(acc, o_gmem, offset, row, size, col, bm, bn):
+    """Rows offset .. offset+size of the (bm, bn) tile `acc` to o_gmem[row : row+size, col : col+bn].
+
+    A TMA box has a static shape: the `size` rows go out as boxes of 2^i rows, one for each bit
+    set in `size` (at most log2(bm) + 1 stores)."""
+
+    def scope(o_smem):
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        done = jnp.int32(0)
+        rows = 1 << (bm.bit_length() - 1)
+        while rows:
+            @pl.when((size & rows) != 0)
+            def _():
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset + done, rows)],
+                                        o_gmem.at[pl.ds(row + done, rows), pl.ds(col, bn)])
+
+            done = done + (size & rows)
+            rows //= 2
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(scope, plgpu.SMEM((bm, bn), o_gmem.dtype))
+
+
+def tflops(rows: int, n: int, k: int, seconds: float) -> float:
+    """TFLOP/s of a grouped GEMM over `rows` routed rows: 2 * rows * N * K flops in `seconds`."""
+    return 2.0 * rows * n * k / seconds / 1e12
+
+
