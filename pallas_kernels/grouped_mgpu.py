@@ -7,14 +7,14 @@ wgmma with a float32 register accumulator, and a persistent grid (one program pe
 the (row tile, column tile) pairs. The Triton kernel issues mma.sync on 64x128 tiles and
 reaches ~240 TFLOP/s at prefill on an H200; wgmma on 128x128 tiles is what Hopper needs.
 
-Only the experts in use are read: the row tiles come from `grouped.tile_schedule` (each tile
-holds rows of one group, starting at that group's rows), computed in XLA and read by the kernel
-from global memory. Rows past the groups' sum form one extra "zero group" whose tiles store
-zeros without a K loop, so the output needs no zero-filled buffer of its own.
-
-A tile's x rows start at its first row, clamped so the TMA box stays inside x; the rows that
-belong to the group are then stored from shared memory with a ladder of TMA stores of 2^i rows
-(a TMA box has a static shape, the number of rows is known only at run time).
+Only the experts in use are read: the tiles come from `aligned_tile_schedule`, computed in XLA
+and read by the kernel from global memory. A tile is one group's rows within one block of
+block_m rows aligned to block_m (a block holding rows of several groups is one tile per group:
+the TMA box of x must start at a row the compiler can prove a multiple of the shared-memory
+tiling). Rows past the groups' sum form one extra "zero group" whose tiles store zeros without
+a K loop, so the output needs no zero-filled buffer of its own. A tile's rows are stored from
+shared memory with a ladder of TMA stores of 2^i rows (a TMA box has a static shape, the number
+of rows is known only at run time), so neighbouring groups' rows are never overwritten.
 
 Supported (the rest of `grouped_gemm`'s contract stays on the Triton kernel, see
 `mosaic_supports`): bf16 x and w (G, N, K), or a layer stack (L, G, N, K) indexed in place by
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ._common import cdiv, fail, num_sms, use_interpret
+from ._common import SHARED_MEMORY_BYTES, cdiv, fail, match_vma, num_sms, result, use_interpret, vma_union
 
 _FN = "grouped_gemm_mgpu"
 MOSAIC_MIN_ROWS = 1024  # dispatch: steps with more rows than this (prefill) take the wgmma kernel
@@ -69,9 +69,6 @@ class MosaicTiles:
         """Shared memory the kernel allocates: the pipeline's x and w tiles, the output tile."""
         stage = (self.block_m + self.block_n) * self.block_k * 2
         return self.max_concurrent_steps * stage + self.block_m * self.block_n * jnp.dtype(out_dtype).itemsize
-
-
-SHARED_MEMORY_BYTES = 227 * 1024  # the most dynamic shared memory one block may use on sm_90
 
 
 def mosaic_supports(x: jax.Array, w: jax.Array, w_scale, out_dtype, tiles: MosaicTiles = MosaicTiles()) -> str | None:
@@ -151,12 +148,14 @@ def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, lay
     operands = [schedule, x, w]
     if row_scale is not None:
         operands.append(jnp.pad(row_scale, (0, m_blocks - m)))
+    vma = vma_union(x, w, group_sizes)  # inside shard_map: operands and result vary alike
+    operands = match_vma(vma, *operands)
 
     kernel = functools.partial(_grouped_gemm_mgpu_kernel, groups=groups, n=n, k=k, max_tiles=max_tiles, tiles=tiles,
                                row_scale=row_scale is not None)
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_type=result((m, n), out_dtype, vma),
         grid=(min(num_sms(), max_tiles * (n // bn)),),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

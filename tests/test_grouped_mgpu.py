@@ -1,0 +1,194 @@
+"""The wgmma grouped GEMM (`pallas_kernels.grouped_mgpu`, Pallas Mosaic GPU) against float32 oracles.
+
+On a CPU: the kernel runs in Mosaic GPU interpret mode (a simulation of the threads, TMA copies,
+barriers and wgmma, at small shapes) against `grouped_gemm_ref` (XLA ragged_dot in float32), and
+is lowered for CUDA, which runs Mosaic GPU's layout inference and checks on the real kernel.
+With -m gpu: compiled at the V2-Lite prefill and a V3 expert shape, against rows recomputed in
+float32 (HIGHEST) from their own expert's weights.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from pallas_kernels.grouped import grouped_gemm, grouped_gemm_backend
+from pallas_kernels.grouped_mgpu import MOSAIC_MIN_ROWS, MosaicTiles, aligned_tile_schedule, grouped_gemm_mgpu
+from pallas_kernels.reference import grouped_gemm_ref
+
+SMALL = MosaicTiles(block_m=64, block_n=128, block_k=64, max_concurrent_steps=2)
+
+
+def _inputs(sizes, n, k, extra_rows, layers=None, seed=0):
+    """x (M, K), w (G, N, K) or (layers, G, N, K), bf16 normals drawn on the default device (a V3
+    weight stack is billions of values), group_sizes and a row_scale in [0.1, 1)."""
+    kx, kw, ks = jax.random.split(jax.random.key(seed), 3)
+    m = sum(sizes) + extra_rows
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    shape = (len(sizes), n, k) if layers is None else (layers, len(sizes), n, k)
+    w = jax.random.normal(kw, shape, jnp.bfloat16)
+    row_scale = jax.random.uniform(ks, (m,), jnp.float32, 0.1, 1.0)
+    return x, w, jnp.array(sizes, jnp.int32), row_scale
+
+
+def _rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("sizes, extra_rows, tiles", [
+    ([0, 70, 1, 185], 0, SMALL),  # an empty group, a one-row group, groups across block boundaries
+    ([0, 70, 1, 185], 0, MosaicTiles()),  # the default 128 x 128 tiles
+    ([5, 0, 120, 3], 131, SMALL),  # rows past the groups (M = 259: x padded to whole blocks)
+])
+def test_interpret_matches_ragged_dot(sizes, extra_rows, tiles):
+    x, w, group_sizes, _ = _inputs(sizes, 256, 256, extra_rows)
+    got = grouped_gemm_mgpu(x, w, group_sizes, tiles=tiles)
+    total = sum(sizes)
+    assert _rel(got[:total], grouped_gemm_ref(x, w, group_sizes)[:total]) < 1e-5
+    assert not np.any(np.asarray(got[total:])), "rows past the groups must be zero"
+
+
+def test_interpret_layer_stack_row_scale_bf16_out():
+    """A layer of a weight stack read in place, the routing weights on the accumulator, bf16 out."""
+    x, w, group_sizes, row_scale = _inputs([0, 70, 1, 150], 256, 256, 27, layers=3, seed=1)
+    got = grouped_gemm_mgpu(x, w, group_sizes, layer=jnp.int32(2), row_scale=row_scale,
+                            out_dtype=jnp.bfloat16, tiles=SMALL)
+    assert got.dtype == jnp.bfloat16
+    want = grouped_gemm_ref(x, w[2], group_sizes, row_scale=row_scale)
+    assert _rel(got[:221], want[:221]) < 4e-3  # bf16 rounding of the result
+    assert not np.any(np.asarray(got[221:], np.float32))
+
+
+def test_grouped_gemm_backend_mosaic_runs_the_mgpu_kernel():
+    x, w, group_sizes, row_scale = _inputs([0, 70, 1, 185], 128, 128, 0, seed=2)
+    got = grouped_gemm(x, w, group_sizes, row_scale=row_scale, backend="mosaic", mosaic_tiles=SMALL)
+    assert _rel(got, grouped_gemm_ref(x, w, group_sizes, row_scale=row_scale)) < 1e-5
+
+
+def _lower_for_cuda(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_for_cuda(out_dtype):
+    """Mosaic GPU's lowering (layout inference, TMA and wgmma checks) at V2-Lite's w2 shape, with
+    a layer stack, row_scale and M neither a multiple of 128 nor of 8 (x padded)."""
+    x = jax.ShapeDtypeStruct((24_576 + 8, 1408), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2, 64, 2048, 1408), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((64,), jnp.int32)
+    row_scale = jax.ShapeDtypeStruct((24_576 + 8,), jnp.float32)
+    for rows in (24_576 + 8, 24_576 + 5):
+        args = (x.update(shape=(rows, 1408)), w, sizes, row_scale.update(shape=(rows,)))
+        text = _lower_for_cuda(lambda x, w, s, r: grouped_gemm_mgpu(x, w, s, layer=1, row_scale=r, out_dtype=out_dtype,
+                                                                    interpret=False), *args)
+        assert "mosaic_gpu" in text
+
+
+def test_lowers_for_cuda_inside_shard_map():
+    """The model calls the grouped GEMM inside shard_map over the expert axis."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
+    fn = jax.shard_map(lambda x, w, s: grouped_gemm_mgpu(x, w, s, interpret=False), mesh=mesh,
+                       in_specs=(P(), P("model"), P("model")), out_specs=P())
+    text = _lower_for_cuda(fn, jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16),
+                           jax.ShapeDtypeStruct((8, 512, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
+    assert "mosaic_gpu" in text
+
+
+def test_aligned_tile_schedule_covers_each_row_once():
+    rng = np.random.default_rng(3)
+    for sizes, m, bm in [([0, 70, 1, 185], 256, 64), ([5, 0, 120, 3, 131], 259, 64), ([300], 300, 128),
+                         (list(rng.multinomial(1000, np.ones(16) / 16)), 1000, 128)]:
+        schedule, max_tiles = aligned_tile_schedule(jnp.array(sizes, jnp.int32), m, bm)
+        group, block, lo, hi, exists, _ = np.asarray(schedule)
+        owner = np.full(m, -1)
+        for t in np.flatnonzero(exists):
+            assert block[t] * bm <= lo[t] < hi[t] <= (block[t] + 1) * bm
+            assert np.all(owner[lo[t]:hi[t]] == -1), "a row stored twice"
+            owner[lo[t]:hi[t]] = group[t]
+        np.testing.assert_array_equal(owner, np.repeat(np.arange(len(sizes)), sizes))
+        assert exists.sum() <= max_tiles
+
+
+def test_backend_choice_and_errors():
+    x = jnp.zeros((MOSAIC_MIN_ROWS + 1, 256), jnp.bfloat16)
+    w = jnp.zeros((4, 256, 256), jnp.bfloat16)
+    assert grouped_gemm_backend(x, w) == "triton"  # off a GPU the Triton path (interpret) as before
+    assert grouped_gemm_backend(x, w, backend="mosaic") == "mosaic"
+    with pytest.raises(ValueError, match="backend is 'cuda'"):
+        grouped_gemm_backend(x, w, backend="cuda")
+    with pytest.raises(ValueError, match="does not support this call: weights float8_e4m3fn"):
+        grouped_gemm_backend(x, w.astype(jnp.float8_e4m3fn), jnp.ones((4, 2, 2)), backend="mosaic")
+    with pytest.raises(ValueError, match="must be multiples of 64"):
+        grouped_gemm_mgpu(x, w, jnp.ones(4, jnp.int32), tiles=MosaicTiles(block_m=32))
+    with pytest.raises(ValueError, match="shared memory"):
+        grouped_gemm_mgpu(x, w, jnp.ones(4, jnp.int32), tiles=MosaicTiles(max_concurrent_steps=8))
+    with pytest.raises(ValueError, match="a stack"):
+        grouped_gemm_mgpu(x, w, jnp.ones(4, jnp.int32), layer=0)
+    assert MosaicTiles.parse("block_m=64,max_concurrent_steps=3") == MosaicTiles(block_m=64, max_concurrent_steps=3)
+    with pytest.raises(ValueError, match="bad item 'block_q=3'"):
+        MosaicTiles.parse("block_q=3")
+
+
+# ---- compiled (pytest -m gpu) ----
+
+def _routed_sizes(rows, experts, seed):
+    """Uneven expert loads, as a router gives: a multinomial over skewed expert probabilities."""
+    rng = np.random.default_rng(seed)
+    p = rng.gamma(1.0, size=experts)
+    return [int(s) for s in rng.multinomial(rows, p / p.sum())]
+
+
+def _check_rows(got, x, w, sizes, row_scale=None, samples=128, seed=0):
+    """Sampled rows (the first and last of 64 random non-empty groups, plus random ones) against
+    x[r] @ w[g(r)]^T in float32 HIGHEST, 32 rows at a time; rows past the groups zero."""
+    rng = np.random.default_rng(seed)
+    total = sum(sizes)
+    ends = np.cumsum(sizes)
+    starts = ends - np.asarray(sizes)
+    nonempty = np.flatnonzero(np.asarray(sizes) > 0)
+    picked = rng.choice(nonempty, min(64, nonempty.size), replace=False)
+    rows = np.unique(np.concatenate([starts[picked], ends[picked] - 1, rng.integers(0, total, samples)]))
+    groups = np.searchsorted(ends, rows, side="right")
+    want = []
+    for i in range(0, rows.size, 32):
+        r, g = rows[i:i + 32], groups[i:i + 32]
+        want.append(np.asarray(jnp.einsum("rk,rnk->rn", x[r].astype(jnp.float32), w[g].astype(jnp.float32),
+                                          precision=jax.lax.Precision.HIGHEST)))
+    want = np.concatenate(want)
+    if row_scale is not None:
+        want = want * np.asarray(row_scale)[rows][:, None]
+    assert _rel(np.asarray(got, np.float32)[rows], want) < 1e-4
+    assert not np.any(np.asarray(got[total:], np.float32)), "rows past the groups must be zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(1408, 2048), (2048, 1408)])
+def test_v2_lite_prefill_on_gpu(n, k):
+    """V2-Lite prefill 8 x 512 tokens, top-6 of 64 experts: 24,576 rows; w1/w3 and w2 shapes."""
+    sizes = _routed_sizes(24_576, 64, seed=n)
+    x, w, group_sizes, _ = _inputs(sizes, n, k, 0, seed=k)
+    assert grouped_gemm_backend(x, w) == "mosaic"  # the automatic choice at prefill on an H100/H200
+    _check_rows(grouped_gemm(x, w, group_sizes), x, w, sizes)
+
+
+@pytest.mark.gpu
+def test_v3_expert_shape_on_gpu():
+    """V3's w1 shape (256 experts of (2048, 7168), here bf16) at 4,096 routed rows, with rows past
+    the groups, a layer of a 2-layer stack read in place (a 15 GB stack: 64-bit addressing), row_scale."""
+    sizes = _routed_sizes(4096 - 40, 256, seed=7)
+    x, w, group_sizes, row_scale = _inputs(sizes, 2048, 7168, 40, layers=2, seed=8)
+    got = grouped_gemm(x, w, group_sizes, layer=jnp.int32(1), row_scale=row_scale)
+    _check_rows(got, x, w[1], sizes, row_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1000, 1003])
+def test_ragged_rows_on_gpu(rows):
+    """M not a multiple of 128 (TMA's zero fill past x) nor of 8 (x padded), bf16 out, small tiles."""
+    sizes = _routed_sizes(rows - 9, 16, seed=rows)
+    x, w, group_sizes, _ = _inputs(sizes, 256, 512, 9, seed=rows)
+    got = grouped_gemm(x, w, group_sizes, out_dtype=jnp.bfloat16, backend="mosaic", mosaic_tiles=SMALL)
+    total = sum(sizes)
+    assert _rel(got[:total], grouped_gemm_ref(x, w, group_sizes)[:total]) < 4e-3
+    assert not np.any(np.asarray(got[total:], np.float32))
