@@ -6,7 +6,12 @@ Writes kernels-<gpu>.json and kernels-<gpu>.md into --out-dir (default: $OUT if 
 benchmarks/). Measures in the same run: copy bandwidth, XLA's bf16 and fp8 matmul peaks, then
   * act_quant on 4096x7168 bf16 (GB/s), weight_dequant on 18432x7168 (GB/s);
   * fp8_gemm for M in {1, 64, 4096} on DeepSeek-V3's (N, K) weight shapes, beside XLA's bf16
-    matmul and XLA's raw fp8 dot (lax.dot_general on e4m3 operands) of the same shape.
+    matmul and XLA's raw fp8 dot (lax.dot_general on e4m3 operands) of the same shape;
+  * the grouped expert GEMM (--only grouped) at prefill: V2-Lite 8x512 tokens top-6 of 64 experts
+    (24,576 rows; w1/w3 (64, 1408, 2048), w2 (64, 2048, 1408)) and V3's 256 experts at 4,096 rows
+    ((2048, 7168), (7168, 2048)): the Triton kernel (mma.sync) beside the Mosaic GPU one (wgmma),
+    bf16 weights, float32 out, with the backend grouped_gemm picks by itself; --grouped-tiles
+    sweeps the Mosaic kernel's MosaicTiles (e.g. "block_m=128,max_concurrent_steps=4;block_n=64").
 Timing: one jitted program applies the op to R distinct input sets (R chosen so the sets exceed
 the L2 several times and one call lasts >= ~0.3 ms, hiding dispatch), called repeatedly after a
 warm-up; the median over repeats of wall time / (calls * R) is reported. --sweep also times
@@ -30,13 +35,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import FP8_BLOCK, FP8_DTYPE as FP8, GemmConfig, act_quant, cdiv, fp8_gemm, reference, weight_dequant
+from pallas_kernels import (FP8_BLOCK, FP8_DTYPE as FP8, GemmConfig, MosaicTiles, act_quant, cdiv, fp8_gemm,
+                            grouped_gemm, grouped_gemm_backend, reference, weight_dequant)
 from pallas_kernels import dequantize as WD, gemm as GM, quantize as AQ
 
 ROOT = Path(__file__).resolve().parents[1]
 
 HBM = 4.3e12  # measured copy bandwidth on an H200 here (bytes/s), overridden by this run's
 PEAK_BF16, PEAK_FP8 = 785e12, 1400e12  # XLA on an H200 here, overridden by this run's
+PEAK_BF16_SPEC = 790e12  # the bf16 dense peak the grouped GEMM's TFLOP/s are printed beside
 L2 = 60e6
 
 
@@ -49,10 +56,15 @@ class Sizes:
     peak_n: int = 8192
     copy_elems: int = 2**29
     max_sets: int = 64
+    # (name, routed rows, experts, N, K) of the grouped expert GEMM at prefill
+    grouped: tuple = (("v2lite_w13", 24_576, 64, 1408, 2048), ("v2lite_w2", 24_576, 64, 2048, 1408),
+                      ("v3_w13", 4096, 256, 2048, 7168), ("v3_w2", 4096, 256, 7168, 2048))
+    reps: int = 9
 
 
 SMOKE = Sizes(gemm_nk=((256, 256), (130, 384)), gemm_m=(1, 20), act=(64, 256), dequant=(200, 256),
-              peak_n=256, copy_elems=2**16, max_sets=2)  # a CPU dry run of every code path, in interpret mode
+              peak_n=256, copy_elems=2**16, max_sets=2, grouped=(("tiny", 300, 4, 256, 256),),
+              reps=1)  # a CPU dry run of every code path, in interpret mode
 
 
 def log(*a):
@@ -61,7 +73,7 @@ def log(*a):
 
 # ---------------------------------------------------------------- timing
 def time_op(fn, make_set, bytes_per_op: float, floor_s: float, max_sets: int, reps: int = 9,
-            mem_cap: float = 6e9) -> dict:
+            mem_cap: float = 16e9) -> dict:
     """Median seconds per op of fn(*set) over R distinct input sets (see module docstring)."""
     r = math.ceil(max(3 * L2 / max(bytes_per_op, 1), 3e-4 / max(floor_s, 1e-7)))
     r = int(max(2, min(r, max_sets, mem_cap // max(bytes_per_op, 1))))
@@ -314,6 +326,77 @@ def versions() -> dict:
     return v
 
 
+def routed_sizes(rows: int, experts: int, seed: int) -> jax.Array:
+    """Rows per expert of a uniform top-k routing: a multinomial draw (the tile schedule sees the
+    uneven counts a real router gives)."""
+    return jax.random.multinomial(jax.random.PRNGKey(seed), rows, jnp.full((experts,), 1.0 / experts),
+                                  shape=(experts,)).astype(jnp.int32)
+
+
+def bench_grouped(sz: Sizes, ceil: dict, tiles: list[MosaicTiles], deadline: float) -> list[dict]:
+    """Triton vs Mosaic grouped GEMM (bf16 weights, float32 out) at each `sz.grouped` shape; the
+    first Mosaic config is the default, the rest are --grouped-tiles (timed while the budget lasts)."""
+    rows_out = []
+    for name, m, experts, n, k in sz.grouped:
+        sizes = routed_sizes(m, experts, seed=m + n)
+        used = int((sizes > 0).sum())
+        flops = 2 * m * n * k
+        nbytes = used * n * k * 2 + m * k * 2 + m * n * 4  # the experts in use, x, the float32 out
+        floor = {"mem_us": nbytes / ceil["copy_Bps"] * 1e6, "compute_us": flops / ceil["bf16_flops"] * 1e6,
+                 "compute_790_us": flops / PEAK_BF16_SPEC * 1e6}
+        key = jax.random.PRNGKey(n * 7 + k)
+
+        def make(i):
+            kk = jax.random.fold_in(key, i)
+            return (rand(jax.random.fold_in(kk, 1), (m, k), jnp.bfloat16),
+                    rand(kk, (experts, n, k), jnp.bfloat16, 0.05), sizes)
+
+        row = {"name": name, "rows": m, "experts": experts, "experts_used": used, "N": n, "K": k, "flops": flops,
+               "bytes": nbytes, "floor": floor, "peak_bf16_spec_tflops": PEAK_BF16_SPEC / 1e12}
+        probe = make(0)
+        row["backend_auto"] = grouped_gemm_backend(probe[0], probe[1], out_dtype=jnp.float32)
+        fl = max(floor["mem_us"], floor["compute_us"]) / 1e6
+        runs = []
+        variants = [("triton", None)] + [("mosaic", t) for t in tiles]
+        outs = {}
+        for i, (backend, t) in enumerate(variants):
+            if i > 1 and time.time() > deadline:
+                row["sweep_cut"] = True
+                break
+            fn = lambda x, w, s, backend=backend, t=t: grouped_gemm(  # noqa: E731
+                x, w, s, backend=backend, mosaic_tiles=t, block_m=64, block_n=128)  # Triton: moe's prefill tiles
+            entry = {"backend": backend, "tiles": None if t is None else dataclasses.asdict(t), "default": i <= 1}
+            try:
+                if i <= 1:
+                    outs[backend] = jax.jit(fn)(*probe)
+                res = time_op(fn, make, nbytes, fl, sz.max_sets, reps=sz.reps)
+            except Exception as e:
+                entry["error"] = str(e)[:300]
+                log(f"  {name} {backend} {t}: ERROR {str(e)[:200]}")
+                runs.append(entry)
+                continue
+            entry.update(us=res["s"] * 1e6, tflops=flops / res["s"] / 1e12, spread=res["spread"], sets=res["sets"])
+            runs.append(entry)
+            log(f"  {name} {backend:6s} {'' if t is None else t}: {entry['us']:8.1f} us {entry['tflops']:6.1f} TFLOP/s "
+                f"(bf16 peak {PEAK_BF16_SPEC / 1e12:.0f}, XLA dense {ceil['bf16_flops'] / 1e12:.0f})")
+        if "triton" in outs and "mosaic" in outs:
+            a, b = outs["triton"].astype(jnp.float32), outs["mosaic"].astype(jnp.float32)
+            row["mosaic_vs_triton_max_rel"] = float(jnp.max(jnp.abs(a - b)) / jnp.sqrt(jnp.mean(a * a)))
+        del probe, outs
+        row["runs"] = runs
+        best = {b: min((r for r in runs if r["backend"] == b and "us" in r), key=lambda r: r["us"], default=None)
+                for b in ("triton", "mosaic")}
+        for b, r in best.items():
+            if r:
+                row[f"{b}_best_us"], row[f"{b}_best_tflops"] = r["us"], r["tflops"]
+        row["mosaic_best_tiles"] = best["mosaic"]["tiles"] if best["mosaic"] else None
+        log(f"{name}: rows {m} experts {used}/{experts} N {n} K {k}: triton {row.get('triton_best_tflops', float('nan')):.0f}, "
+            f"mosaic {row.get('mosaic_best_tflops', float('nan')):.0f} TFLOP/s (peak {PEAK_BF16_SPEC / 1e12:.0f}); "
+            f"floor mem {floor['mem_us']:.0f} us compute {floor['compute_us']:.0f} us; auto picks {row['backend_auto']}")
+        rows_out.append(row)
+    return rows_out
+
+
 def markdown(rep: dict) -> str:
     c = rep["ceilings"]
     note = rep.get("ceilings_note") or (
@@ -350,6 +433,21 @@ def markdown(rep: dict) -> str:
                  f"{fmt(tf)} | {cfg} | {f8['mem_us']:.1f} / {f8['compute_us']:.1f} | {fmt(r.get('xla_bf16_us'))} | "
                  f"{f16['mem_us']:.1f} / {f16['compute_us']:.1f} | {fmt(r.get('xla_fp8_us'))} | "
                  f"{r.get('run', rep['date'])} |")
+    if rep.get("grouped"):
+        L += ["", f"Grouped expert GEMM (bf16 weights, float32 out): Triton (mma.sync, 64x128 tiles) vs Mosaic GPU "
+              f"(wgmma). TFLOP/s beside the {PEAK_BF16_SPEC / 1e12:.0f} TFLOP/s bf16 peak; floors: memory = the "
+              "experts in use + x + out over the copy bandwidth, compute = FLOPs over XLA's measured bf16 peak.", "",
+              "| shape | rows | experts used | N x K | Triton us | TFLOP/s | Mosaic us | TFLOP/s | best Mosaic tiles "
+              "| floor mem / compute us | auto |", "|---|---:|---:|---|---:|---:|---:|---:|---|---|---|"]
+        fmt = lambda v: f"{v:.1f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
+        for r in rep["grouped"]:
+            t = r.get("mosaic_best_tiles") or {}
+            tiles = (f"{t['block_m']}x{t['block_n']}x{t['block_k']} s{t['max_concurrent_steps']} "
+                     f"w{t['grid_tile_width']}") if t else "-"
+            L.append(f"| {r['name']} | {r['rows']} | {r['experts_used']}/{r['experts']} | {r['N']}x{r['K']} | "
+                     f"{fmt(r.get('triton_best_us'))} | {fmt(r.get('triton_best_tflops'))} | {fmt(r.get('mosaic_best_us'))} | "
+                     f"{fmt(r.get('mosaic_best_tflops'))} | {tiles} | {r['floor']['mem_us']:.1f} / "
+                     f"{r['floor']['compute_us']:.1f} | {r['backend_auto']} |")
     if rep.get("inspect"):
         L += ["", "Tensor-core instructions in the PTX XLA compiled (M=4096, N=2048, K=7168):", ""]
         for r in rep["inspect"]:
@@ -409,7 +507,9 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time alternative tilings")
     ap.add_argument("--budget-s", type=float, default=420, help="stop sweeping after this many seconds")
     ap.add_argument("--inspect", action="store_true", help="count wgmma / mma.sync in XLA's PTX")
-    ap.add_argument("--only", default="", help="comma list of parts: act,dequant,gemm")
+    ap.add_argument("--only", default="", help="comma list of parts: act,dequant,gemm,grouped")
+    ap.add_argument("--grouped-tiles", default="", help="Mosaic grouped GEMM tiles to time after the default, "
+                    "';'-separated MosaicTiles specs, e.g. 'block_m=128,max_concurrent_steps=5;block_n=64'")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU dry run of the script")
     ap.add_argument("--m", default="", help="comma list of M to run (default: all)")
     ap.add_argument("--sweep-only", default="", help="comma list of MxNxK (or M) to sweep; default: all")
@@ -424,7 +524,8 @@ def main():
     t_start = time.time()
     deadline = t_start + args.budget_s
     dev = jax.devices()[0]
-    parts = set(args.only.split(",")) if args.only else {"act", "dequant", "gemm"}
+    parts = set(args.only.split(",")) if args.only else {"act", "dequant", "gemm", "grouped"}
+    grouped_tiles = [MosaicTiles()] + [MosaicTiles.parse(t) for t in args.grouped_tiles.split(";") if t.strip()]
     rep = {"gpu": dev.device_kind, "sms": getattr(dev, "core_count", None), "versions": versions(),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "method": "median over 9 repeats of wall time / (calls x R distinct input sets) of one jitted "
@@ -468,6 +569,8 @@ def main():
                 sweep = args.sweep and (not sweep_only or f"{m}x{n}x{k}" in sweep_only or str(m) in sweep_only)
                 rep["gemm"].append(bench_gemm(sz, m, n, k, rep["ceilings"], sweep, deadline))
                 save()
+    if "grouped" in parts:
+        rep["grouped"] = bench_grouped(sz, rep["ceilings"], grouped_tiles, deadline)
     save()
     log(markdown(rep))
 
