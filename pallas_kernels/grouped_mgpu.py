@@ -45,6 +45,12 @@ class MosaicTiles:
     block_k is one pipeline step's K extent (64 bf16 = one 128-byte swizzle row);
     max_concurrent_steps is how many K steps' tiles are in flight in shared memory; grid_tile_width
     the width of the snake over (row tile, column tile) that orders the persistent loop for L2.
+    compute_wgs 1: one warpgroup issues both TMA and wgmma (`plgpu.emit_pipeline`); 2: warp
+    specialisation (`plgpu.emit_pipeline_warp_specialized`), a memory warpgroup feeding two
+    compute warpgroups whose block_m x block_n tiles sit side by side along wg_split ("n": a
+    block tile of block_m x 2 block_n, "m": 2 block_m x block_n). epi_n: columns of the result
+    stored at a time through shared memory (0: block_n; 64 halves a float32 128 x 128 tile's
+    64 KiB, which makes room for more pipeline steps).
     """
 
     block_m: int = 128
@@ -52,23 +58,44 @@ class MosaicTiles:
     block_k: int = 64
     max_concurrent_steps: int = 4
     grid_tile_width: int = 1
+    compute_wgs: int = 1
+    wg_split: str = "n"
+    epi_n: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "MosaicTiles":
-        """'block_m=128,block_n=128,max_concurrent_steps=4' -> MosaicTiles (unnamed fields default)."""
-        fields = {f.name for f in dataclasses.fields(cls)}
+        """'block_m=128,max_concurrent_steps=4,compute_wgs=2,wg_split=m' -> MosaicTiles (unnamed
+        fields default)."""
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
         kwargs = {}
         for item in filter(None, text.split(",")):
-            key, _, value = item.partition("=")
-            if key.strip() not in fields or not value.strip().isdigit():
-                raise ValueError(f"MosaicTiles: bad item {item!r} in {text!r}; expected NAME=INT with NAME in {sorted(fields)}")
-            kwargs[key.strip()] = int(value)
+            key, _, value = (part.strip() for part in item.partition("="))
+            if key not in fields or not (value.isdigit() or (key == "wg_split" and value)):
+                raise ValueError(f"MosaicTiles: bad item {item!r} in {text!r}; expected NAME=VALUE with NAME in "
+                                 f"{sorted(fields)}")
+            kwargs[key] = value if key == "wg_split" else int(value)
         return cls(**kwargs)
 
+    @property
+    def cta_m(self) -> int:
+        """Rows of one block's tile (the schedule's row block)."""
+        return self.block_m * (2 if self.compute_wgs == 2 and self.wg_split == "m" else 1)
+
+    @property
+    def cta_n(self) -> int:
+        """Output columns of one block's tile."""
+        return self.block_n * (2 if self.compute_wgs == 2 and self.wg_split == "n" else 1)
+
     def smem_bytes(self, out_dtype) -> int:
-        """Shared memory the kernel allocates: the pipeline's x and w tiles, the output tile."""
-        stage = (self.block_m + self.block_n) * self.block_k * 2
-        return self.max_concurrent_steps * stage + self.block_m * self.block_n * jnp.dtype(out_dtype).itemsize
+        """Shared memory the kernel allocates: the pipeline's x and w tiles, the output tile(s)."""
+        stage = (self.cta_m + self.cta_n) * self.block_k * 2
+        return (self.max_concurrent_steps * stage
+                + self.compute_wgs * self.block_m * self.epi_cols * jnp.dtype(out_dtype).itemsize)
+
+    @property
+    def epi_cols(self) -> int:
+        """Columns of the result stored at a time (epi_n, or block_n when 0)."""
+        return self.epi_n or self.block_n
 
 
 def mosaic_supports(x: jax.Array, w: jax.Array, w_scale, out_dtype, tiles: MosaicTiles = MosaicTiles()) -> str | None:
@@ -80,8 +107,8 @@ def mosaic_supports(x: jax.Array, w: jax.Array, w_scale, out_dtype, tiles: Mosai
     if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         return f"out_dtype {jnp.dtype(out_dtype).name}"
     n, k = w.shape[-2:]
-    if n % tiles.block_n or k % tiles.block_k:
-        return f"N={n} or K={k} not a multiple of block_n={tiles.block_n} / block_k={tiles.block_k}"
+    if n % tiles.cta_n or k % tiles.block_k:
+        return f"N={n} or K={k} not a multiple of the tile's {tiles.cta_n} columns / block_k={tiles.block_k}"
     return None
 
 
@@ -122,9 +149,12 @@ def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, lay
     if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
         fail(_FN, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 ({m},)")
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    if bm % 64 or bn % 64 or bk % 64 or tiles.max_concurrent_steps < 2 or tiles.grid_tile_width < 1:
-        fail(_FN, f"tiles {tiles}: block_m, block_n, block_k must be multiples of 64, "
-                  f"max_concurrent_steps >= 2, grid_tile_width >= 1")
+    if (bm % 64 or bn % 64 or bk % 64 or tiles.max_concurrent_steps < 2 or tiles.grid_tile_width < 1
+            or tiles.compute_wgs not in (1, 2) or tiles.wg_split not in ("m", "n") or tiles.epi_cols % 64
+            or bn % tiles.epi_cols):
+        fail(_FN, f"tiles {tiles}: block_m, block_n, block_k must be multiples of 64, max_concurrent_steps >= 2, "
+                  f"grid_tile_width >= 1, compute_wgs 1 or 2, wg_split 'm' or 'n', epi_n 0 or a multiple of 64 "
+                  f"dividing block_n")
     if tiles.smem_bytes(out_dtype) > SHARED_MEMORY_BYTES:
         fail(_FN, f"tiles {tiles} need {tiles.smem_bytes(out_dtype)} bytes of shared memory, "
                   f"more than {SHARED_MEMORY_BYTES}")
@@ -137,8 +167,8 @@ def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, lay
     # rows past the groups' sum: one more group, whose tiles store zeros
     sizes = group_sizes.astype(jnp.int32)
     sizes = jnp.concatenate([sizes, jnp.maximum(m - sizes.sum(), 0)[None]])
-    schedule, max_tiles = aligned_tile_schedule(sizes, m, bm, layer)
-    m_blocks = cdiv(m, bm) * bm
+    schedule, max_tiles = aligned_tile_schedule(sizes, m, tiles.cta_m, layer)
+    m_blocks = cdiv(m, tiles.cta_m) * tiles.cta_m
     interpret = use_interpret() if interpret is None else interpret
     if m_blocks > m and (interpret or m % 8):
         # the last x box reaches past x. A GPU's TMA reads zeros there, but its descriptor needs
@@ -151,13 +181,16 @@ def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, lay
     vma = vma_union(x, w, group_sizes)  # inside shard_map: operands and result vary alike
     operands = match_vma(vma, *operands)
 
-    kernel = functools.partial(_grouped_gemm_mgpu_kernel, groups=groups, n=n, k=k, max_tiles=max_tiles, tiles=tiles,
+    body = _grouped_gemm_mgpu_kernel if tiles.compute_wgs == 1 else _grouped_gemm_mgpu_ws_kernel
+    kernel = functools.partial(body, groups=groups, n=n, k=k, max_tiles=max_tiles, tiles=tiles,
                                row_scale=row_scale is not None)
+    threads = {} if tiles.compute_wgs == 1 else dict(num_threads=tiles.compute_wgs + 1, thread_name="wg")
     call = plgpu.kernel(
         kernel,
         out_type=result((m, n), out_dtype, vma),
-        grid=(min(num_sms(), max_tiles * (n // bn)),),
+        grid=(min(num_sms(), max_tiles * (n // tiles.cta_n)),),
         grid_names=("sm",),
+        **threads,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
@@ -222,28 +255,100 @@ def _grouped_gemm_mgpu_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k, m
             acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
             if row_scale:
                 acc = acc * _load_rows(rs_gmem, start, bm)[:, None]
-            _store_rows(acc, o_gmem, lo - start, lo, hi - lo, j * bn, bm, bn)
+            _store_rows(acc, o_gmem, lo - start, lo, hi - lo, j * bn, bm, bn, tiles.epi_cols)
 
 
-def _load_rows(rs_gmem, start, bm):
-    """row_scale[start : start + bm] (float32) through shared memory."""
+def _grouped_gemm_mgpu_ws_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k, max_tiles, tiles, row_scale):
+    """The warp-specialised variant: warpgroups 0 and 1 compute, warpgroup 2 issues the TMA loads.
 
-    def scope(rs_smem, barrier):
-        plgpu.copy_gmem_to_smem(rs_gmem.at[pl.ds(start, bm)], rs_smem, barrier)
-        plgpu.barrier_wait(barrier)
-        return rs_smem[...]
+    Every warpgroup walks the same tiles (the schedule is read by all); a tile of the zero group
+    skips the pipeline and the compute warpgroups store zeros."""
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    cta_m, cta_n, split_m = tiles.cta_m, tiles.cta_n, tiles.wg_split == "m"
+    rs_gmem = refs[0] if row_scale else None
+    o_gmem = refs[-1]
+    grid_n = n // cta_n
 
-    return pl.run_scoped(scope, plgpu.SMEM((bm,), jnp.float32), plgpu.Barrier())
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k // bk,), memory_registers=40,
+            in_specs=[plgpu.BlockSpec((cta_m, bk), lambda kb: (0, kb), delay_release=1),
+                      plgpu.BlockSpec((cta_n, bk), lambda kb: (0, kb), delay_release=1)],
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=tiles.max_concurrent_steps,
+            compute_context=compute_context)
+
+    ignore = lambda *_, **__: None  # noqa: E731  (the bodies do not change what the pipeline allocates)
+
+    @functools.partial(pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0, 0]),
+                       o_smem=plgpu.SMEM((2, bm, tiles.epi_cols), o_gmem.dtype), rs_smem=plgpu.SMEM((2, bm), jnp.float32),
+                       barriers=plgpu.Barrier(num_barriers=2), collective_axes="wg")
+    def _scope(allocations, o_smem, rs_smem, barriers):
+        wg = jax.lax.axis_index("wg")
+
+        @plgpu.nd_loop((max_tiles * grid_n,), collective_axes="sm")
+        def _tile_loop(info: plgpu.NDLoopInfo):
+            t, j = plgpu.planar_snake(info.index[0], (max_tiles, grid_n), 1, tiles.grid_tile_width)
+            group, block, lo, hi, exists, layer = (sched_gmem[i, t] for i in range(6))
+            start = block * cta_m
+            first = start + wg * bm if split_m else start  # this warpgroup's rows and columns
+            col = j * cta_n if split_m else j * cta_n + wg * bn
+            own_lo = jnp.clip(lo, first, first + bm)
+            own_hi = jnp.clip(hi, first, first + bm)
+
+            def epilogue(acc):
+                if row_scale:
+                    acc = acc * _load_rows(rs_gmem, first, bm, rs_smem.at[wg], barriers.at[wg])[:, None]
+                _store_rows(acc, o_gmem, own_lo - first, own_lo, own_hi - own_lo, col, bm, bn, tiles.epi_cols, o_smem.at[wg])
+
+            def compute_context(eval_pipeline):
+                def acc_scope(acc_ref):
+                    eval_pipeline(acc_ref)
+                    return acc_ref[...]
+
+                epilogue(pl.run_scoped(acc_scope, plgpu.ACC((bm, bn))))
+
+            def mma(_, x_smem, w_smem, acc_ref):
+                xs = x_smem.at[pl.ds(wg * bm, bm)] if split_m else x_smem
+                ws = w_smem if split_m else w_smem.at[pl.ds(wg * bn, bn)]
+                plgpu.wgmma(acc_ref, xs, ws.transpose((1, 0)))
+                plgpu.wgmma_wait(1)
+                return acc_ref
+
+            @pl.when((exists > 0) & (group < groups))
+            def _():
+                pipeline(mma, compute_context)(x_gmem.at[pl.ds(start, cta_m)],
+                                               w_gmem.at[layer, group, pl.ds(j * cta_n, cta_n)],
+                                               allocations=allocations)
+
+            @pl.when((exists > 0) & (group == groups) & (wg < 2))
+            def _():
+                _store_rows(jnp.zeros((bm, bn), jnp.float32), o_gmem, own_lo - first, own_lo, own_hi - own_lo,
+                            col, bm, bn, tiles.epi_cols, o_smem.at[wg])
 
 
-def _store_rows(acc, o_gmem, offset, row, size, col, bm, bn):
-    """Rows offset .. offset+size of the (bm, bn) tile `acc` to o_gmem[row : row+size, col : col+bn].
+def _load_rows(rs_gmem, start, bm, rs_smem=None, barrier=None):
+    """row_scale[start : start + bm] (float32) through shared memory (allocated here unless given:
+    a multi-warpgroup kernel must allocate it for all warpgroups at once)."""
+    if rs_smem is None:
+        return pl.run_scoped(lambda smem, bar: _load_rows(rs_gmem, start, bm, smem, bar),
+                             plgpu.SMEM((bm,), jnp.float32), plgpu.Barrier())
+    plgpu.copy_gmem_to_smem(rs_gmem.at[pl.ds(start, bm)], rs_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    return rs_smem[...]
+
+
+def _store_rows(acc, o_gmem, offset, row, size, col, bm, bn, epi_n, o_smem=None):
+    """Rows offset .. offset+size of the (bm, bn) tile `acc` to o_gmem[row : row+size, col : col+bn],
+    epi_n columns at a time through o_smem (bm, epi_n) (allocated here unless given: a
+    multi-warpgroup kernel must allocate it for all warpgroups at once).
 
     A TMA box has a static shape: the `size` rows go out as boxes of 2^i rows, one for each bit
     set in `size` (at most log2(bm) + 1 stores)."""
-
-    def scope(o_smem):
-        o_smem[...] = acc.astype(o_smem.dtype)
+    if o_smem is None:
+        return pl.run_scoped(lambda smem: _store_rows(acc, o_gmem, offset, row, size, col, bm, bn, epi_n, smem),
+                             plgpu.SMEM((bm, epi_n), o_gmem.dtype))
+    for c in range(0, bn, epi_n):
+        o_smem[...] = acc[:, c:c + epi_n].astype(o_smem.dtype)
         plgpu.commit_smem()
         done = jnp.int32(0)
         rows = 1 << (bm.bit_length() - 1)
@@ -251,13 +356,11 @@ def _store_rows(acc, o_gmem, offset, row, size, col, bm, bn):
             @pl.when((size & rows) != 0)
             def _():
                 plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset + done, rows)],
-                                        o_gmem.at[pl.ds(row + done, rows), pl.ds(col, bn)])
+                                        o_gmem.at[pl.ds(row + done, rows), pl.ds(col + c, epi_n)])
 
             done = done + (size & rows)
             rows //= 2
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    pl.run_scoped(scope, plgpu.SMEM((bm, bn), o_gmem.dtype))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_smem is read before it is overwritten
 
 
 def tflops(rows: int, n: int, k: int, seconds: float) -> float:

@@ -17,6 +17,9 @@ from pallas_kernels.grouped_mgpu import MOSAIC_MIN_ROWS, MosaicTiles, aligned_ti
 from pallas_kernels.reference import grouped_gemm_ref
 
 SMALL = MosaicTiles(block_m=64, block_n=128, block_k=64, max_concurrent_steps=2)
+# the warp-specialised variants (a memory warpgroup, two compute warpgroups), small
+WS_N = MosaicTiles(block_m=64, block_n=64, max_concurrent_steps=2, compute_wgs=2, wg_split="n")
+WS_M = MosaicTiles(block_m=64, block_n=128, max_concurrent_steps=2, compute_wgs=2, wg_split="m", epi_n=64)
 
 
 def _inputs(sizes, n, k, extra_rows, layers=None, seed=0):
@@ -51,11 +54,13 @@ def test_interpret_matches_ragged_dot(sizes, extra_rows, tiles):
     assert not np.any(np.asarray(got[total:])), "rows past the groups must be zero"
 
 
-def test_interpret_layer_stack_row_scale_bf16_out():
-    """A layer of a weight stack read in place, the routing weights on the accumulator, bf16 out."""
+@pytest.mark.parametrize("tiles", [SMALL, WS_N, WS_M], ids=["one_wg", "ws_n", "ws_m_epi64"])
+def test_interpret_layer_stack_row_scale_bf16_out(tiles):
+    """A layer of a weight stack read in place, the routing weights on the accumulator, bf16 out,
+    rows past the groups: with one warpgroup and warp-specialised."""
     x, w, group_sizes, row_scale = _inputs([0, 70, 1, 150], 256, 256, 27, layers=3, seed=1)
     got = grouped_gemm_mgpu(x, w, group_sizes, layer=jnp.int32(2), row_scale=row_scale,
-                            out_dtype=jnp.bfloat16, tiles=SMALL)
+                            out_dtype=jnp.bfloat16, tiles=tiles)
     assert got.dtype == jnp.bfloat16
     want = grouped_gemm_ref(x, w[2], group_sizes, row_scale=row_scale)
     _assert_close(got[:221], want[:221], 2e-2)  # bf16 rounding of the result
@@ -72,8 +77,14 @@ def _lower_for_cuda(fn, *args):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+LOWERED = [MosaicTiles(), MosaicTiles(epi_n=64, max_concurrent_steps=5),
+           MosaicTiles(compute_wgs=2, block_n=64), MosaicTiles(compute_wgs=2, block_n=128, epi_n=64, max_concurrent_steps=3),
+           MosaicTiles(compute_wgs=2, wg_split="m", epi_n=64, max_concurrent_steps=3)]
+
+
+@pytest.mark.parametrize("tiles", LOWERED, ids=str)
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-def test_lowers_for_cuda(out_dtype):
+def test_lowers_for_cuda(out_dtype, tiles):
     """Mosaic GPU's lowering (layout inference, TMA and wgmma checks) at V2-Lite's w2 shape, with
     a layer stack, row_scale and M neither a multiple of 128 nor of 8 (x padded)."""
     x = jax.ShapeDtypeStruct((24_576 + 8, 1408), jnp.bfloat16)
@@ -83,7 +94,7 @@ def test_lowers_for_cuda(out_dtype):
     for rows in (24_576 + 8, 24_576 + 5):
         args = (x.update(shape=(rows, 1408)), w, sizes, row_scale.update(shape=(rows,)))
         text = _lower_for_cuda(lambda x, w, s, r: grouped_gemm_mgpu(x, w, s, layer=1, row_scale=r, out_dtype=out_dtype,
-                                                                    interpret=False), *args)
+                                                                    tiles=tiles, interpret=False), *args)
         assert "mosaic_gpu" in text
 
 
@@ -125,9 +136,14 @@ def test_backend_choice_and_errors():
         grouped_gemm_mgpu(x, w, jnp.ones(4, jnp.int32), tiles=MosaicTiles(block_m=32))
     with pytest.raises(ValueError, match="shared memory"):
         grouped_gemm_mgpu(x, w, jnp.ones(4, jnp.int32), tiles=MosaicTiles(max_concurrent_steps=8))
+    with pytest.raises(ValueError, match="compute_wgs 1 or 2"):
+        grouped_gemm_mgpu(x, w, jnp.ones(4, jnp.int32), tiles=MosaicTiles(compute_wgs=3))
+    with pytest.raises(ValueError, match="not a multiple of the tile's 256 columns"):
+        grouped_gemm_mgpu(x, w[:, :192], jnp.ones(4, jnp.int32), tiles=MosaicTiles(compute_wgs=2, block_n=128))
     with pytest.raises(ValueError, match="a stack"):
         grouped_gemm_mgpu(x, w, jnp.ones(4, jnp.int32), layer=0)
     assert MosaicTiles.parse("block_m=64,max_concurrent_steps=3") == MosaicTiles(block_m=64, max_concurrent_steps=3)
+    assert MosaicTiles.parse("compute_wgs=2,wg_split=m") == MosaicTiles(compute_wgs=2, wg_split="m")
     with pytest.raises(ValueError, match="bad item 'block_q=3'"):
         MosaicTiles.parse("block_q=3")
 
