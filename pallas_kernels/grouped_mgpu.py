@@ -43,8 +43,11 @@ class MosaicTiles:
 
     block_m x block_n is one warpgroup's float32 accumulator (128 x 128: 128 registers a thread);
     block_k is one pipeline step's K extent (64 bf16 = one 128-byte swizzle row);
-    max_concurrent_steps is how many K steps' tiles are in flight in shared memory; grid_tile_width
-    the width of the snake over (row tile, column tile) that orders the persistent loop for L2.
+    max_concurrent_steps is how many K steps' tiles are in flight in shared memory. The
+    persistent loop walks (row tile, column tile) pairs row by row when grid_tile_width is 0 (a
+    row tile's x stays in L2 while all its columns are computed, and the few groups in flight
+    keep their weights there), else in bands of grid_tile_width row tiles, column after column
+    (`plgpu.planar_snake` with the row dimension minor).
     compute_wgs 1: one warpgroup issues both TMA and wgmma (`plgpu.emit_pipeline`); 2: warp
     specialisation (`plgpu.emit_pipeline_warp_specialized`), a memory warpgroup feeding two
     compute warpgroups whose block_m x block_n tiles sit side by side along wg_split ("n": a
@@ -57,7 +60,7 @@ class MosaicTiles:
     block_n: int = 128
     block_k: int = 64
     max_concurrent_steps: int = 4
-    grid_tile_width: int = 1
+    grid_tile_width: int = 0
     compute_wgs: int = 1
     wg_split: str = "n"
     epi_n: int = 0
@@ -149,11 +152,11 @@ def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, lay
     if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
         fail(_FN, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 ({m},)")
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    if (bm % 64 or bn % 64 or bk % 64 or tiles.max_concurrent_steps < 2 or tiles.grid_tile_width < 1
+    if (bm % 64 or bn % 64 or bk % 64 or tiles.max_concurrent_steps < 2 or tiles.grid_tile_width < 0
             or tiles.compute_wgs not in (1, 2) or tiles.wg_split not in ("m", "n") or tiles.epi_cols % 64
             or bn % tiles.epi_cols):
         fail(_FN, f"tiles {tiles}: block_m, block_n, block_k must be multiples of 64, max_concurrent_steps >= 2, "
-                  f"grid_tile_width >= 1, compute_wgs 1 or 2, wg_split 'm' or 'n', epi_n 0 or a multiple of 64 "
+                  f"grid_tile_width >= 0, compute_wgs 1 or 2, wg_split 'm' or 'n', epi_n 0 or a multiple of 64 "
                   f"dividing block_n")
     if tiles.smem_bytes(out_dtype) > SHARED_MEMORY_BYTES:
         fail(_FN, f"tiles {tiles} need {tiles.smem_bytes(out_dtype)} bytes of shared memory, "
@@ -232,7 +235,7 @@ def _grouped_gemm_mgpu_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k, m
 
     @plgpu.nd_loop((max_tiles * grid_n,), collective_axes="sm")
     def _tile_loop(info: plgpu.NDLoopInfo):
-        t, j = plgpu.planar_snake(info.index[0], (max_tiles, grid_n), 1, tiles.grid_tile_width)
+        t, j = _tile_order(info.index[0], max_tiles, grid_n, tiles.grid_tile_width)
         group, block, lo, hi, exists, layer = (sched_gmem[i, t] for i in range(6))
 
         @pl.when(exists > 0)
@@ -287,7 +290,7 @@ def _grouped_gemm_mgpu_ws_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k
 
         @plgpu.nd_loop((max_tiles * grid_n,), collective_axes="sm")
         def _tile_loop(info: plgpu.NDLoopInfo):
-            t, j = plgpu.planar_snake(info.index[0], (max_tiles, grid_n), 1, tiles.grid_tile_width)
+            t, j = _tile_order(info.index[0], max_tiles, grid_n, tiles.grid_tile_width)
             group, block, lo, hi, exists, layer = (sched_gmem[i, t] for i in range(6))
             start = block * cta_m
             first = start + wg * bm if split_m else start  # this warpgroup's rows and columns
@@ -324,6 +327,13 @@ def _grouped_gemm_mgpu_ws_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k
             def _():
                 _store_rows(jnp.zeros((bm, bn), jnp.float32), o_gmem, own_lo - first, own_lo, own_hi - own_lo,
                             col, bm, bn, tiles.epi_cols, o_smem.at[wg])
+
+
+def _tile_order(index, max_tiles, grid_n, width):
+    """(row tile, column tile) of the persistent loop's index-th pair (see MosaicTiles)."""
+    if width == 0:
+        return index // grid_n, index % grid_n
+    return plgpu.planar_snake(index, (max_tiles, grid_n), 0, width)
 
 
 def _load_rows(rs_gmem, start, bm, rs_smem=None, barrier=None):

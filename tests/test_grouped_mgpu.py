@@ -19,7 +19,8 @@ from pallas_kernels.reference import grouped_gemm_ref
 SMALL = MosaicTiles(block_m=64, block_n=128, block_k=64, max_concurrent_steps=2)
 # the warp-specialised variants (a memory warpgroup, two compute warpgroups), small
 WS_N = MosaicTiles(block_m=64, block_n=64, max_concurrent_steps=2, compute_wgs=2, wg_split="n")
-WS_M = MosaicTiles(block_m=64, block_n=128, max_concurrent_steps=2, compute_wgs=2, wg_split="m", epi_n=64)
+WS_M = MosaicTiles(block_m=64, block_n=128, max_concurrent_steps=2, compute_wgs=2, wg_split="m", epi_n=64,
+                   grid_tile_width=2)  # and the snake order over the tiles
 
 
 def _inputs(sizes, n, k, extra_rows, layers=None, seed=0):
