@@ -79,6 +79,12 @@ class MosaicTiles:
             kwargs[key] = value if key == "wg_split" else int(value)
         return cls(**kwargs)
 
+    def label(self) -> str:
+        """A short name for tables: block_m x block_n x block_k, steps, warpgroups/split, epi_n, order."""
+        wgs = "1wg" if self.compute_wgs == 1 else f"2wg-{self.wg_split}"
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.max_concurrent_steps} {wgs} "
+                f"e{self.epi_cols} w{self.grid_tile_width}")
+
     @property
     def cta_m(self) -> int:
         """Rows of one block's tile (the schedule's row block)."""

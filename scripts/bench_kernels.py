@@ -372,12 +372,12 @@ def bench_grouped(sz: Sizes, ceil: dict, tiles: list[MosaicTiles], deadline: flo
                 res = time_op(fn, make, nbytes, fl, sz.max_sets, reps=sz.reps)
             except Exception as e:
                 entry["error"] = str(e)[:300]
-                log(f"  {name} {backend} {t}: ERROR {str(e)[:200]}")
+                log(f"  {name} {backend} {'' if t is None else t.label()}: ERROR {str(e)[:200]}")
                 runs.append(entry)
                 continue
             entry.update(us=res["s"] * 1e6, tflops=flops / res["s"] / 1e12, spread=res["spread"], sets=res["sets"])
             runs.append(entry)
-            log(f"  {name} {backend:6s} {'' if t is None else t}: {entry['us']:8.1f} us {entry['tflops']:6.1f} TFLOP/s "
+            log(f"  {name} {backend:6s} {'' if t is None else t.label()}: {entry['us']:8.1f} us {entry['tflops']:6.1f} TFLOP/s "
                 f"(bf16 peak {PEAK_BF16_SPEC / 1e12:.0f}, XLA dense {ceil['bf16_flops'] / 1e12:.0f})")
         if "triton" in outs and "mosaic" in outs:
             a, b = outs["triton"].astype(jnp.float32), outs["mosaic"].astype(jnp.float32)
@@ -441,9 +441,8 @@ def markdown(rep: dict) -> str:
               "| floor mem / compute us | auto |", "|---|---:|---:|---|---:|---:|---:|---:|---|---|---|"]
         fmt = lambda v: f"{v:.1f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
         for r in rep["grouped"]:
-            t = r.get("mosaic_best_tiles") or {}
-            tiles = (f"{t['block_m']}x{t['block_n']}x{t['block_k']} s{t['max_concurrent_steps']} "
-                     f"w{t['grid_tile_width']}") if t else "-"
+            t = r.get("mosaic_best_tiles")
+            tiles = MosaicTiles(**t).label() if t else "-"
             L.append(f"| {r['name']} | {r['rows']} | {r['experts_used']}/{r['experts']} | {r['N']}x{r['K']} | "
                      f"{fmt(r.get('triton_best_us'))} | {fmt(r.get('triton_best_tflops'))} | {fmt(r.get('mosaic_best_us'))} | "
                      f"{fmt(r.get('mosaic_best_tflops'))} | {tiles} | {r['floor']['mem_us']:.1f} / "
