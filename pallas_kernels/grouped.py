@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ._common import (BLOCK, FP8, SHARED_MEMORY_BYTES, cdiv, fail, hopper, interpret_in_shard_map, match_vma, result,
                       use_interpret, vma_union)
-from .grouped_mgpu import MOSAIC_MIN_ROWS, MosaicTiles, grouped_gemm_mgpu, mosaic_supports
+from .grouped_mgpu import MOSAIC_AUTO_FP8, MOSAIC_MIN_ROWS, MosaicTiles, grouped_gemm_mgpu, mosaic_supports
 from .reference import grouped_gemm_ref, grouped_gemm_swiglu_ref  # noqa: F401 (re-exported)
 
 _FN = "grouped_gemm"
@@ -44,10 +44,11 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: ja
                  num_stages: int = 3, backend: str = "auto", mosaic_tiles: MosaicTiles | None = None) -> jax.Array:
     """Rows of x (M, K), sorted by group, times their group's w (G, N, K) transposed -> (M, N).
 
-    Two kernels compute it: the Triton one below (mma.sync; any shape, fp8 weights) and
-    `grouped_mgpu.grouped_gemm_mgpu` (wgmma through Pallas Mosaic GPU; bf16 weights), which
+    Two kernels compute it: the Triton one below (mma.sync; any shape) and
+    `grouped_mgpu.grouped_gemm_mgpu` (wgmma through Pallas Mosaic GPU; bf16 x), which
     `backend="auto"` picks on an sm_90 GPU for steps of more than MOSAIC_MIN_ROWS rows (prefill)
-    that it supports; `grouped_gemm_backend` says which one a call takes.
+    with bf16 weights (fp8 weights: with backend="mosaic", or under "auto" once MOSAIC_AUTO_FP8);
+    `grouped_gemm_backend` says which one a call takes.
 
     Args:
       x: bfloat16/float32 (M, K), K a multiple of 128.
@@ -64,7 +65,8 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: ja
     """
     tiles = MosaicTiles() if mosaic_tiles is None else mosaic_tiles
     if grouped_gemm_backend(x, w, w_scale, out_dtype=out_dtype, backend=backend, mosaic_tiles=tiles) == "mosaic":
-        return grouped_gemm_mgpu(x, w, group_sizes, layer=layer, row_scale=row_scale, out_dtype=out_dtype, tiles=tiles)
+        return grouped_gemm_mgpu(x, w, group_sizes, w_scale, layer=layer, row_scale=row_scale, out_dtype=out_dtype,
+                                 tiles=tiles)
     return _grouped(_FN, x, (w,), (w_scale,), group_sizes, layer, row_scale, False, out_dtype,
                     block_m, block_n, num_warps, num_stages)
 
@@ -78,7 +80,8 @@ def grouped_gemm_backend(x: jax.Array, w: jax.Array, w_scale: jax.Array | None =
 
     "auto" takes the wgmma kernel on a GPU of compute capability 9.x when x has more than
     MOSAIC_MIN_ROWS rows (prefill: tall tiles keep the tensor cores busy) and the call is one
-    it supports (bf16 x and w; see `mosaic_supports`); otherwise, and everywhere off a GPU, Triton.
+    it supports (see `mosaic_supports`) with bf16 weights (fp8 ones only if MOSAIC_AUTO_FP8);
+    otherwise, and everywhere off a GPU, Triton.
     """
     if backend not in BACKENDS:
         fail(_FN, f"backend is {backend!r}, expected one of {BACKENDS}")
@@ -89,7 +92,7 @@ def grouped_gemm_backend(x: jax.Array, w: jax.Array, w_scale: jax.Array | None =
             fail(_FN, f"backend='mosaic' does not support this call: {reason}")
         return "mosaic"
     if backend == "auto" and hopper() and x.ndim == 2 and x.shape[0] > MOSAIC_MIN_ROWS \
-            and mosaic_supports(x, w, w_scale, out_dtype, tiles) is None:
+            and (w_scale is None or MOSAIC_AUTO_FP8) and mosaic_supports(x, w, w_scale, out_dtype, tiles) is None:
         return "mosaic"
     return "triton"
 

@@ -17,9 +17,11 @@ shared memory with a ladder of TMA stores of 2^i rows (a TMA box has a static sh
 of rows is known only at run time), so neighbouring groups' rows are never overwritten.
 
 Supported (the rest of `grouped_gemm`'s contract stays on the Triton kernel, see
-`mosaic_supports`): bf16 x and w (G, N, K), or a layer stack (L, G, N, K) indexed in place by
-`layer` (the TMA descriptor covers the whole stack: 64-bit addresses); `row_scale`; float32 or
-bf16 output. N must be a multiple of block_n, K of block_k. fp8 weights are not done here.
+`mosaic_supports`): bf16 x; bf16 w (G, N, K), or fp8 w with 128x128 block scales, dequantised
+tile by tile into shared memory as bf16 before the wgmma (gemm_impl "bf16" semantics; one
+warpgroup only); a layer stack (L, G, N, K) indexed in place by `layer` (the TMA descriptor
+covers the whole stack, with 64-bit addresses); `row_scale`; float32 or bf16 output. N must be
+a multiple of the block's columns, K of block_k.
 """
 from __future__ import annotations
 
@@ -31,10 +33,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ._common import SHARED_MEMORY_BYTES, cdiv, fail, match_vma, num_sms, result, use_interpret, vma_union
+from ._common import BLOCK, FP8, SHARED_MEMORY_BYTES, cdiv, fail, match_vma, num_sms, result, use_interpret, vma_union
 
 _FN = "grouped_gemm_mgpu"
 MOSAIC_MIN_ROWS = 1024  # dispatch: steps with more rows than this (prefill) take the wgmma kernel
+MOSAIC_AUTO_FP8 = False  # dispatch: fp8 weights stay on Triton under "auto" until Mosaic is measured faster
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +98,11 @@ class MosaicTiles:
         """Output columns of one block's tile."""
         return self.block_n * (2 if self.compute_wgs == 2 and self.wg_split == "n" else 1)
 
-    def smem_bytes(self, out_dtype) -> int:
-        """Shared memory the kernel allocates: the pipeline's x and w tiles, the output tile(s)."""
-        stage = (self.cta_m + self.cta_n) * self.block_k * 2
-        return (self.max_concurrent_steps * stage
+    def smem_bytes(self, out_dtype, fp8: bool = False) -> int:
+        """Shared memory the kernel allocates: the pipeline's x and w tiles, the output tile(s)
+        (and with fp8 weights two bf16 tiles of the dequantised weight)."""
+        stage = (self.cta_m * 2 + self.cta_n * (1 if fp8 else 2)) * self.block_k
+        return (self.max_concurrent_steps * stage + (2 * self.block_n * self.block_k * 2 if fp8 else 0)
                 + self.compute_wgs * self.block_m * self.epi_cols * jnp.dtype(out_dtype).itemsize)
 
     @property
@@ -109,10 +113,15 @@ class MosaicTiles:
 
 def mosaic_supports(x: jax.Array, w: jax.Array, w_scale, out_dtype, tiles: MosaicTiles = MosaicTiles()) -> str | None:
     """None if `grouped_gemm_mgpu` computes this call, else the reason it does not (a phrase)."""
-    if w_scale is not None or w.dtype != jnp.bfloat16:
-        return f"weights {jnp.dtype(w.dtype).name}{' with scales' if w_scale is not None else ''}, not bf16"
     if x.dtype != jnp.bfloat16:
         return f"x {jnp.dtype(x.dtype).name}, not bf16"
+    if w_scale is None and w.dtype != jnp.bfloat16:
+        return f"weights {jnp.dtype(w.dtype).name} without scales, not bf16"
+    if w_scale is not None:
+        if w.dtype != FP8:
+            return f"weights {jnp.dtype(w.dtype).name} with scales, not float8_e4m3fn"
+        if tiles.compute_wgs != 1 or BLOCK % tiles.block_n or BLOCK % tiles.block_k:
+            return f"fp8 weights need compute_wgs=1 and block_n, block_k dividing {BLOCK} (tiles {tiles.label()})"
     if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         return f"out_dtype {jnp.dtype(out_dtype).name}"
     n, k = w.shape[-2:]
@@ -121,14 +130,18 @@ def mosaic_supports(x: jax.Array, w: jax.Array, w_scale, out_dtype, tiles: Mosai
     return None
 
 
-def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, layer: jax.Array | int | None = None,
+def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None, *,
+                      layer: jax.Array | int | None = None,
                       row_scale: jax.Array | None = None, out_dtype=jnp.float32,
                       tiles: MosaicTiles = MosaicTiles(), interpret: bool | None = None) -> jax.Array:
     """Rows of x (M, K) bf16, sorted by group, times their group's w (G, N, K) bf16 transposed.
 
     Args:
       x: bfloat16 (M, K).
-      w: bfloat16 (G, N, K); with `layer`, a stack (L, G, N, K) of which layer[()] is read in place.
+      w: bfloat16 (G, N, K), or float8_e4m3fn with w_scale float32 (G, ceil(N/128), K/128): each
+        fp8 tile is dequantised in the kernel (w * its 128x128 block's scale, rounded to bf16, as
+        `weight_dequant` would) into shared memory before its wgmma. With `layer`, w (and w_scale)
+        is a stack (L, G, ...) of which layer[()] is read in place.
       group_sizes: int32 (G,): rows of each group, in order; rows past their sum come out zero.
       row_scale: optional float32 (M,): row r's float32 result times row_scale[r] before the store.
       out_dtype: float32 or bfloat16.
@@ -152,9 +165,14 @@ def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, lay
         fail(_FN, f"group_sizes has {group_sizes.shape[0]} entries for {groups} groups in w")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         fail(_FN, f"group_sizes has dtype {group_sizes.dtype}, expected an integer type")
-    reason = mosaic_supports(x, w, None, out_dtype, tiles)
-    if w.dtype != jnp.bfloat16 or reason:
-        fail(_FN, f"unsupported: {reason or f'w {w.dtype}'}")
+    reason = mosaic_supports(x, w, w_scale, out_dtype, tiles)
+    if reason:
+        fail(_FN, f"unsupported: {reason}")
+    fp8 = w_scale is not None
+    if fp8:
+        want = (*w.shape[:-2], cdiv(n, BLOCK), k // BLOCK)
+        if tuple(w_scale.shape) != want or w_scale.dtype != jnp.float32:
+            fail(_FN, f"w_scale has shape {tuple(w_scale.shape)} {w_scale.dtype}, expected float32 {want}")
     if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
         fail(_FN, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 ({m},)")
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
@@ -164,13 +182,13 @@ def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, lay
         fail(_FN, f"tiles {tiles}: block_m, block_n, block_k must be multiples of 64, max_concurrent_steps >= 2, "
                   f"grid_tile_width >= 0, compute_wgs 1 or 2, wg_split 'm' or 'n', epi_n 0 or a multiple of 64 "
                   f"dividing block_n")
-    if tiles.smem_bytes(out_dtype) > SHARED_MEMORY_BYTES:
-        fail(_FN, f"tiles {tiles} need {tiles.smem_bytes(out_dtype)} bytes of shared memory, "
+    if tiles.smem_bytes(out_dtype, fp8) > SHARED_MEMORY_BYTES:
+        fail(_FN, f"tiles {tiles} need {tiles.smem_bytes(out_dtype, fp8)} bytes of shared memory, "
                   f"more than {SHARED_MEMORY_BYTES}")
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
     if not stacked:
-        w = w[None]
+        w, w_scale = w[None], None if w_scale is None else w_scale[None]
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
 
     # rows past the groups' sum: one more group, whose tiles store zeros
@@ -184,7 +202,7 @@ def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, lay
         # x's rows in whole 8-row tiles, and the interpreter's dynamic slice would move the box
         # back inside x instead: then x gets the missing rows for real (a copy of x)
         x = jnp.pad(x, ((0, m_blocks - m), (0, 0)))
-    operands = [schedule, x, w]
+    operands = [schedule, x, w] + ([w_scale] if fp8 else [])
     if row_scale is not None:
         operands.append(jnp.pad(row_scale, (0, m_blocks - m)))
     vma = vma_union(x, w, group_sizes)  # inside shard_map: operands and result vary alike
@@ -192,7 +210,7 @@ def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, lay
 
     body = _grouped_gemm_mgpu_kernel if tiles.compute_wgs == 1 else _grouped_gemm_mgpu_ws_kernel
     kernel = functools.partial(body, groups=groups, n=n, k=k, max_tiles=max_tiles, tiles=tiles,
-                               row_scale=row_scale is not None)
+                               row_scale=row_scale is not None, **(dict(fp8=True) if fp8 else {}))
     threads = {} if tiles.compute_wgs == 1 else dict(num_threads=tiles.compute_wgs + 1, thread_name="wg")
     call = plgpu.kernel(
         kernel,
@@ -232,10 +250,13 @@ def aligned_tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0)
     return jnp.stack([group, block, lo, hi, exists, layers]).astype(jnp.int32), max_tiles
 
 
-def _grouped_gemm_mgpu_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k, max_tiles, tiles, row_scale):
-    """One SM's share of the (row tile, column tile) pairs. refs: row_scale (if given), the output."""
+def _grouped_gemm_mgpu_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k, max_tiles, tiles, row_scale,
+                              fp8=False):
+    """One SM's share of the (row tile, column tile) pairs. refs: the weight scales (if fp8),
+    row_scale (if given), the output."""
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    rs_gmem = refs[0] if row_scale else None
+    scale_gmem = refs[0] if fp8 else None
+    rs_gmem = refs[1 if fp8 else 0] if row_scale else None
     o_gmem = refs[-1]
     grid_n = n // bn
 
@@ -248,11 +269,17 @@ def _grouped_gemm_mgpu_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k, m
         def _():
             start = block * bm  # the x box's first row
 
-            def acc_scope(acc_ref):
+            def acc_scope(acc_ref, dequant_smem=None):
+                def step(idx, x_smem, w_smem):
+                    if not fp8:
+                        return plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
+                    _dequant_step(idx[0], x_smem, w_smem, acc_ref, scale_gmem.at[layer, group, (j * bn) // BLOCK],
+                                  dequant_smem, bk)
+
                 @pl.when(group < groups)  # the zero group keeps the zero-initialised accumulator
                 def _():
                     plgpu.emit_pipeline(
-                        lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0))),
+                        step,
                         grid=(k // bk,),
                         in_specs=[plgpu.BlockSpec((bm, bk), lambda kb: (0, kb), delay_release=1),
                                   plgpu.BlockSpec((bn, bk), lambda kb: (0, kb), delay_release=1)],
@@ -261,7 +288,14 @@ def _grouped_gemm_mgpu_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k, m
 
                 return acc_ref[...]
 
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+            # with fp8 weights: two bf16 tiles of the dequantised weight (one read by the wgmma in
+            # flight, one being written)
+            if fp8:
+                acc = pl.run_scoped(lambda smem: pl.run_scoped(lambda acc_ref: acc_scope(acc_ref, smem),
+                                                               plgpu.ACC((bm, bn))),
+                                    plgpu.SMEM((2, bn, bk), jnp.bfloat16))
+            else:
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
             if row_scale:
                 acc = acc * _load_rows(rs_gmem, start, bm)[:, None]
             _store_rows(acc, o_gmem, lo - start, lo, hi - lo, j * bn, bm, bn, tiles.epi_cols)
@@ -333,6 +367,21 @@ def _grouped_gemm_mgpu_ws_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k
             def _():
                 _store_rows(jnp.zeros((bm, bn), jnp.float32), o_gmem, own_lo - first, own_lo, own_hi - own_lo,
                             col, bm, bn, tiles.epi_cols, o_smem.at[wg])
+
+
+def _dequant_step(kb, x_smem, w_smem, acc_ref, scales, dequant_smem, bk):
+    """One K step with an fp8 weight tile: w * its block's scale (scales: the tile's row of
+    per-128-column-block scales), rounded to bf16 into dequant_smem[kb % 2], then the wgmma.
+
+    At most one wgmma stays in flight (the previous step's, reading the other buffer), so the
+    buffer written here is free; the conversion overlaps that wgmma."""
+    scale = scales[(kb * bk) // BLOCK]
+    w = (w_smem[...].astype(jnp.float32) * scale).astype(jnp.bfloat16)
+    plgpu.wgmma_wait(1)
+    buf = dequant_smem.at[kb % 2]
+    buf[...] = w
+    plgpu.commit_smem()
+    plgpu.wgmma(acc_ref, x_smem, buf.transpose((1, 0)))
 
 
 def _tile_order(index, max_tiles, grid_n, width):

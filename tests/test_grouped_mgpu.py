@@ -68,6 +68,23 @@ def test_interpret_layer_stack_row_scale_bf16_out(tiles):
     assert not np.any(np.asarray(got[221:], np.float32))
 
 
+def _fp8(w, seed):
+    """w as float8_e4m3fn codes (x40) with float32 128x128 block scales, (..., G, ceil(N/128), K/128)."""
+    *lead, n, k = w.shape
+    scale = jax.random.uniform(jax.random.key(seed), (*lead, -(-n // 128), k // 128), jnp.float32, 0.001, 0.05)
+    return (w.astype(jnp.float32) * 40).astype(jnp.float8_e4m3fn), scale
+
+
+def test_interpret_fp8_weights():
+    """fp8 weights dequantised in the kernel (bf16 semantics) from a layer stack, row_scale, rows
+    past the groups; the oracle dequantises first (grouped_gemm_ref)."""
+    x, w, group_sizes, row_scale = _inputs([0, 70, 1, 150], 256, 256, 29, layers=2, seed=4)
+    w8, scale = _fp8(w, 5)
+    got = grouped_gemm_mgpu(x, w8, group_sizes, scale, layer=jnp.int32(1), row_scale=row_scale, tiles=SMALL)
+    _assert_close(got[:221], grouped_gemm_ref(x, w8[1], group_sizes, scale[1], row_scale=row_scale)[:221], 1e-5)
+    assert not np.any(np.asarray(got[221:]))
+
+
 def test_grouped_gemm_backend_mosaic_runs_the_mgpu_kernel():
     x, w, group_sizes, row_scale = _inputs([0, 70, 1, 185], 128, 128, 0, seed=2)
     got = grouped_gemm(x, w, group_sizes, row_scale=row_scale, backend="mosaic", mosaic_tiles=SMALL)
@@ -97,6 +114,16 @@ def test_lowers_for_cuda(out_dtype, tiles):
         text = _lower_for_cuda(lambda x, w, s, r: grouped_gemm_mgpu(x, w, s, layer=1, row_scale=r, out_dtype=out_dtype,
                                                                     tiles=tiles, interpret=False), *args)
         assert "mosaic_gpu" in text
+
+
+def test_fp8_lowers_for_cuda_at_v3_stack_shape():
+    """fp8 weights at V3's expert stack shape (2 layers x 256 x 2048 x 7168 bytes: over 2^32)."""
+    args = (jax.ShapeDtypeStruct((4096, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((2, 256, 2048, 7168), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((2, 256, 16, 56), jnp.float32), jax.ShapeDtypeStruct((256,), jnp.int32),
+            jax.ShapeDtypeStruct((4096,), jnp.float32))
+    text = _lower_for_cuda(lambda x, w, sc, s, r: grouped_gemm_mgpu(x, w, s, sc, layer=1, row_scale=r, interpret=False),
+                           *args)
+    assert "mosaic_gpu" in text
 
 
 def test_lowers_for_cuda_inside_shard_map():
@@ -131,8 +158,13 @@ def test_backend_choice_and_errors():
     assert grouped_gemm_backend(x, w, backend="mosaic") == "mosaic"
     with pytest.raises(ValueError, match="backend is 'cuda'"):
         grouped_gemm_backend(x, w, backend="cuda")
-    with pytest.raises(ValueError, match="does not support this call: weights float8_e4m3fn"):
-        grouped_gemm_backend(x, w.astype(jnp.float8_e4m3fn), jnp.ones((4, 2, 2)), backend="mosaic")
+    with pytest.raises(ValueError, match="does not support this call: weights float8_e4m3fn without scales"):
+        grouped_gemm_backend(x, w.astype(jnp.float8_e4m3fn), backend="mosaic")
+    with pytest.raises(ValueError, match="fp8 weights need compute_wgs=1"):
+        grouped_gemm_backend(x, w.astype(jnp.float8_e4m3fn), jnp.ones((4, 2, 2)), backend="mosaic",
+                             mosaic_tiles=MosaicTiles(compute_wgs=2, block_n=64))
+    with pytest.raises(ValueError, match=r"w_scale has shape \(4, 2, 3\)"):
+        grouped_gemm_mgpu(x, w.astype(jnp.float8_e4m3fn), jnp.ones(4, jnp.int32), jnp.ones((4, 2, 3)))
     with pytest.raises(ValueError, match="must be multiples of 64"):
         grouped_gemm_mgpu(x, w, jnp.ones(4, jnp.int32), tiles=MosaicTiles(block_m=32))
     with pytest.raises(ValueError, match="shared memory"):
@@ -199,6 +231,19 @@ def test_v3_expert_shape_on_gpu():
     x, w, group_sizes, row_scale = _inputs(sizes, 2048, 7168, 40, layers=2, seed=8)
     got = grouped_gemm(x, w, group_sizes, layer=jnp.int32(1), row_scale=row_scale)
     _check_rows(got, x, w[1], sizes, row_scale)
+
+
+@pytest.mark.gpu
+def test_v3_fp8_expert_shape_on_gpu():
+    """V3's w2 shape (256 experts of (7168, 2048)) with fp8 weights at 4,096 rows on the Mosaic
+    kernel (backend="mosaic": "auto" keeps fp8 on Triton for now), against dequantised rows."""
+    sizes = _routed_sizes(4096, 256, seed=9)
+    x, w, group_sizes, row_scale = _inputs(sizes, 7168, 2048, 0, seed=10)
+    w8, scale = _fp8(w, 11)
+    del w
+    got = grouped_gemm(x, w8, group_sizes, scale, row_scale=row_scale, backend="mosaic")
+    deq = (w8.astype(jnp.float32) * jnp.repeat(jnp.repeat(scale, 128, 1), 128, 2)).astype(jnp.bfloat16)
+    _check_rows(got, x, deq, sizes, row_scale)
 
 
 @pytest.mark.gpu
