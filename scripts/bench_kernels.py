@@ -56,14 +56,14 @@ class Sizes:
     peak_n: int = 8192
     copy_elems: int = 2**29
     max_sets: int = 64
-    # (name, routed rows, experts, N, K) of the grouped expert GEMM at prefill
-    grouped: tuple = (("v2lite_w13", 24_576, 64, 1408, 2048), ("v2lite_w2", 24_576, 64, 2048, 1408),
-                      ("v3_w13", 4096, 256, 2048, 7168), ("v3_w2", 4096, 256, 7168, 2048))
+    # (name, routed rows, experts, N, K, weight kinds) of the grouped expert GEMM at prefill
+    grouped: tuple = (("v2lite_w13", 24_576, 64, 1408, 2048, ("bf16",)), ("v2lite_w2", 24_576, 64, 2048, 1408, ("bf16",)),
+                      ("v3_w13", 4096, 256, 2048, 7168, ("bf16", "fp8")), ("v3_w2", 4096, 256, 7168, 2048, ("bf16", "fp8")))
     reps: int = 9
 
 
 SMOKE = Sizes(gemm_nk=((256, 256), (130, 384)), gemm_m=(1, 20), act=(64, 256), dequant=(200, 256),
-              peak_n=256, copy_elems=2**16, max_sets=2, grouped=(("tiny", 300, 4, 256, 256),),
+              peak_n=256, copy_elems=2**16, max_sets=2, grouped=(("tiny", 300, 4, 256, 256, ("bf16", "fp8")),),
               reps=1)  # a CPU dry run of every code path, in interpret mode
 
 
@@ -334,67 +334,81 @@ def routed_sizes(rows: int, experts: int, seed: int) -> jax.Array:
 
 
 def bench_grouped(sz: Sizes, ceil: dict, tiles: list[MosaicTiles], deadline: float) -> list[dict]:
-    """Triton vs Mosaic grouped GEMM (bf16 weights, float32 out) at each `sz.grouped` shape; the
-    first Mosaic config is the default, the rest are --grouped-tiles (timed while the budget lasts)."""
+    """Triton vs Mosaic grouped GEMM (float32 out) at each `sz.grouped` shape and weight kind (bf16;
+    fp8 with 128x128 block scales, dequantised in the kernels); the first Mosaic config is the
+    default, the rest are --grouped-tiles (timed while the budget lasts)."""
     rows_out = []
-    for name, m, experts, n, k in sz.grouped:
-        sizes = routed_sizes(m, experts, seed=m + n)
-        used = int((sizes > 0).sum())
-        flops = 2 * m * n * k
-        nbytes = used * n * k * 2 + m * k * 2 + m * n * 4  # the experts in use, x, the float32 out
-        floor = {"mem_us": nbytes / ceil["copy_Bps"] * 1e6, "compute_us": flops / ceil["bf16_flops"] * 1e6,
-                 "compute_790_us": flops / PEAK_BF16_SPEC * 1e6}
-        key = jax.random.PRNGKey(n * 7 + k)
-
-        def make(i):
-            kk = jax.random.fold_in(key, i)
-            return (rand(jax.random.fold_in(kk, 1), (m, k), jnp.bfloat16),
-                    rand(kk, (experts, n, k), jnp.bfloat16, 0.05), sizes)
-
-        row = {"name": name, "rows": m, "experts": experts, "experts_used": used, "N": n, "K": k, "flops": flops,
-               "bytes": nbytes, "floor": floor, "peak_bf16_spec_tflops": PEAK_BF16_SPEC / 1e12}
-        probe = make(0)
-        row["backend_auto"] = grouped_gemm_backend(probe[0], probe[1], out_dtype=jnp.float32)
-        fl = max(floor["mem_us"], floor["compute_us"]) / 1e6
-        runs = []
-        variants = [("triton", None)] + [("mosaic", t) for t in tiles]
-        outs = {}
-        for i, (backend, t) in enumerate(variants):
-            if i > 1 and time.time() > deadline:
-                row["sweep_cut"] = True
-                break
-            fn = lambda x, w, s, backend=backend, t=t: grouped_gemm(  # noqa: E731
-                x, w, s, backend=backend, mosaic_tiles=t, block_m=64, block_n=128)  # Triton: moe's prefill tiles
-            entry = {"backend": backend, "tiles": None if t is None else dataclasses.asdict(t), "default": i <= 1}
-            try:
-                if i <= 1:
-                    outs[backend] = jax.jit(fn)(*probe)
-                res = time_op(fn, make, nbytes, fl, sz.max_sets, reps=sz.reps)
-            except Exception as e:
-                entry["error"] = str(e)[:300]
-                log(f"  {name} {backend} {'' if t is None else t.label()}: ERROR {str(e)[:200]}")
-                runs.append(entry)
-                continue
-            entry.update(us=res["s"] * 1e6, tflops=flops / res["s"] / 1e12, spread=res["spread"], sets=res["sets"])
-            runs.append(entry)
-            log(f"  {name} {backend:6s} {'' if t is None else t.label()}: {entry['us']:8.1f} us {entry['tflops']:6.1f} TFLOP/s "
-                f"(bf16 peak {PEAK_BF16_SPEC / 1e12:.0f}, XLA dense {ceil['bf16_flops'] / 1e12:.0f})")
-        if "triton" in outs and "mosaic" in outs:
-            a, b = outs["triton"].astype(jnp.float32), outs["mosaic"].astype(jnp.float32)
-            row["mosaic_vs_triton_max_rel"] = float(jnp.max(jnp.abs(a - b)) / jnp.sqrt(jnp.mean(a * a)))
-        del probe, outs
-        row["runs"] = runs
-        best = {b: min((r for r in runs if r["backend"] == b and "us" in r), key=lambda r: r["us"], default=None)
-                for b in ("triton", "mosaic")}
-        for b, r in best.items():
-            if r:
-                row[f"{b}_best_us"], row[f"{b}_best_tflops"] = r["us"], r["tflops"]
-        row["mosaic_best_tiles"] = best["mosaic"]["tiles"] if best["mosaic"] else None
-        log(f"{name}: rows {m} experts {used}/{experts} N {n} K {k}: triton {row.get('triton_best_tflops', float('nan')):.0f}, "
-            f"mosaic {row.get('mosaic_best_tflops', float('nan')):.0f} TFLOP/s (peak {PEAK_BF16_SPEC / 1e12:.0f}); "
-            f"floor mem {floor['mem_us']:.0f} us compute {floor['compute_us']:.0f} us; auto picks {row['backend_auto']}")
-        rows_out.append(row)
+    for name, m, experts, n, k, kinds in sz.grouped:
+        for kind in kinds:
+            rows_out.append(_bench_grouped_shape(sz, ceil, tiles, deadline, name, m, experts, n, k, kind == "fp8"))
     return rows_out
+
+
+def _bench_grouped_shape(sz, ceil, tiles, deadline, name, m, experts, n, k, fp8) -> dict:
+    """One row of bench_grouped: every backend / tile config at one shape and weight kind."""
+    sizes = routed_sizes(m, experts, seed=m + n)
+    used = int((sizes > 0).sum())
+    flops = 2 * m * n * k
+    scale_bytes = used * cdiv(n, FP8_BLOCK) * (k // FP8_BLOCK) * 4 if fp8 else 0
+    nbytes = used * n * k * (1 if fp8 else 2) + scale_bytes + m * k * 2 + m * n * 4  # experts in use, x, f32 out
+    floor = {"mem_us": nbytes / ceil["copy_Bps"] * 1e6, "compute_us": flops / ceil["bf16_flops"] * 1e6,
+             "compute_790_us": flops / PEAK_BF16_SPEC * 1e6}
+    key = jax.random.PRNGKey(n * 7 + k)
+
+    def make(i):
+        kk = jax.random.fold_in(key, i)
+        x = rand(jax.random.fold_in(kk, 1), (m, k), jnp.bfloat16)
+        if not fp8:
+            return x, rand(kk, (experts, n, k), jnp.bfloat16, 0.05), None, sizes
+        w8 = rand(kk, (experts, n, k), FP8, 64.0)
+        scale = jnp.exp2(jax.random.uniform(jax.random.fold_in(kk, 2), (experts, cdiv(n, FP8_BLOCK), k // FP8_BLOCK),
+                                            minval=-12, maxval=-4))
+        return x, w8, scale, sizes
+
+    row = {"name": name, "weights": "fp8" if fp8 else "bf16", "rows": m, "experts": experts, "experts_used": used,
+           "N": n, "K": k, "flops": flops, "bytes": nbytes, "floor": floor,
+           "peak_bf16_spec_tflops": PEAK_BF16_SPEC / 1e12}
+    probe = make(0)
+    row["backend_auto"] = grouped_gemm_backend(probe[0], probe[1], probe[2], out_dtype=jnp.float32)
+    fl = max(floor["mem_us"], floor["compute_us"]) / 1e6
+    runs = []
+    variants = [("triton", None)] + [("mosaic", t) for t in tiles]
+    outs = {}
+    for i, (backend, t) in enumerate(variants):
+        if i > 1 and time.time() > deadline:
+            row["sweep_cut"] = True
+            break
+        fn = lambda x, w, sc, s, backend=backend, t=t: grouped_gemm(  # noqa: E731
+            x, w, s, sc, backend=backend, mosaic_tiles=t, block_m=64, block_n=128)  # Triton: moe's prefill tiles
+        entry = {"backend": backend, "tiles": None if t is None else dataclasses.asdict(t), "default": i <= 1}
+        try:
+            if i <= 1:
+                outs[backend] = jax.jit(fn)(*probe)
+            res = time_op(fn, make, nbytes, fl, sz.max_sets, reps=sz.reps)
+        except Exception as e:
+            entry["error"] = str(e)[:300]
+            log(f"  {name} {row['weights']} {backend} {'' if t is None else t.label()}: ERROR {str(e)[:200]}")
+            runs.append(entry)
+            continue
+        entry.update(us=res["s"] * 1e6, tflops=flops / res["s"] / 1e12, spread=res["spread"], sets=res["sets"])
+        runs.append(entry)
+        log(f"  {name} {row['weights']} {backend:6s} {'' if t is None else t.label()}: {entry['us']:8.1f} us {entry['tflops']:6.1f} TFLOP/s "
+            f"(bf16 peak {PEAK_BF16_SPEC / 1e12:.0f}, XLA dense {ceil['bf16_flops'] / 1e12:.0f})")
+    if "triton" in outs and "mosaic" in outs:
+        a, b = outs["triton"].astype(jnp.float32), outs["mosaic"].astype(jnp.float32)
+        row["mosaic_vs_triton_max_rel"] = float(jnp.max(jnp.abs(a - b)) / jnp.sqrt(jnp.mean(a * a)))
+    del probe, outs
+    row["runs"] = runs
+    best = {b: min((r for r in runs if r["backend"] == b and "us" in r), key=lambda r: r["us"], default=None)
+            for b in ("triton", "mosaic")}
+    for b, r in best.items():
+        if r:
+            row[f"{b}_best_us"], row[f"{b}_best_tflops"] = r["us"], r["tflops"]
+    row["mosaic_best_tiles"] = best["mosaic"]["tiles"] if best["mosaic"] else None
+    log(f"{name} {row['weights']}: rows {m} experts {used}/{experts} N {n} K {k}: triton {row.get('triton_best_tflops', float('nan')):.0f}, "
+        f"mosaic {row.get('mosaic_best_tflops', float('nan')):.0f} TFLOP/s (peak {PEAK_BF16_SPEC / 1e12:.0f}); "
+        f"floor mem {floor['mem_us']:.0f} us compute {floor['compute_us']:.0f} us; auto picks {row['backend_auto']}")
+    return row
 
 
 def markdown(rep: dict) -> str:
@@ -434,16 +448,16 @@ def markdown(rep: dict) -> str:
                  f"{f16['mem_us']:.1f} / {f16['compute_us']:.1f} | {fmt(r.get('xla_fp8_us'))} | "
                  f"{r.get('run', rep['date'])} |")
     if rep.get("grouped"):
-        L += ["", f"Grouped expert GEMM (bf16 weights, float32 out): Triton (mma.sync, 64x128 tiles) vs Mosaic GPU "
+        L += ["", f"Grouped expert GEMM (float32 out; fp8 weights dequantised to bf16 in the kernels): Triton (mma.sync, 64x128 tiles) vs Mosaic GPU "
               f"(wgmma). TFLOP/s beside the {PEAK_BF16_SPEC / 1e12:.0f} TFLOP/s bf16 peak; floors: memory = the "
               "experts in use + x + out over the copy bandwidth, compute = FLOPs over XLA's measured bf16 peak.", "",
-              "| shape | rows | experts used | N x K | Triton us | TFLOP/s | Mosaic us | TFLOP/s | best Mosaic tiles "
-              "| floor mem / compute us | auto |", "|---|---:|---:|---|---:|---:|---:|---:|---|---|---|"]
+              "| shape | weights | rows | experts used | N x K | Triton us | TFLOP/s | Mosaic us | TFLOP/s | best Mosaic tiles "
+              "| floor mem / compute us | auto |", "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---|"]
         fmt = lambda v: f"{v:.1f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
         for r in rep["grouped"]:
             t = r.get("mosaic_best_tiles")
             tiles = MosaicTiles(**t).label() if t else "-"
-            L.append(f"| {r['name']} | {r['rows']} | {r['experts_used']}/{r['experts']} | {r['N']}x{r['K']} | "
+            L.append(f"| {r['name']} | {r.get('weights', 'bf16')} | {r['rows']} | {r['experts_used']}/{r['experts']} | {r['N']}x{r['K']} | "
                      f"{fmt(r.get('triton_best_us'))} | {fmt(r.get('triton_best_tflops'))} | {fmt(r.get('mosaic_best_us'))} | "
                      f"{fmt(r.get('mosaic_best_tflops'))} | {tiles} | {r['floor']['mem_us']:.1f} / "
                      f"{r['floor']['compute_us']:.1f} | {r['backend_auto']} |")
