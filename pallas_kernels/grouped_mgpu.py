@@ -271,10 +271,13 @@ def _grouped_gemm_mgpu_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k, m
 
             def acc_scope(acc_ref, dequant_smem=None):
                 def step(idx, x_smem, w_smem):
-                    if not fp8:
-                        return plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
-                    _dequant_step(idx[0], x_smem, w_smem, acc_ref, scale_gmem.at[layer, group, (j * bn) // BLOCK],
-                                  dequant_smem, bk)
+                    if fp8:
+                        _dequant_step(idx[0], x_smem, w_smem, acc_ref, scale_gmem.at[layer, group, (j * bn) // BLOCK],
+                                      dequant_smem, bk)
+                    else:
+                        plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
+                    # the previous step's wgmma is done: its slot (delay_release=1) may be refilled
+                    plgpu.wgmma_wait(1)
 
                 @pl.when(group < groups)  # the zero group keeps the zero-initialised accumulator
                 def _():
@@ -373,11 +376,11 @@ def _dequant_step(kb, x_smem, w_smem, acc_ref, scales, dequant_smem, bk):
     """One K step with an fp8 weight tile: w * its block's scale (scales: the tile's row of
     per-128-column-block scales), rounded to bf16 into dequant_smem[kb % 2], then the wgmma.
 
-    At most one wgmma stays in flight (the previous step's, reading the other buffer), so the
-    buffer written here is free; the conversion overlaps that wgmma."""
+    At most one wgmma is in flight here (the previous step's, reading the other buffer: the
+    caller waits after each issue), so the buffer written here is free; the conversion overlaps
+    that wgmma."""
     scale = scales[(kb * bk) // BLOCK]
     w = (w_smem[...].astype(jnp.float32) * scale).astype(jnp.bfloat16)
-    plgpu.wgmma_wait(1)
     buf = dequant_smem.at[kb % 2]
     buf[...] = w
     plgpu.commit_smem()
