@@ -197,10 +197,11 @@ def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scal
     schedule, max_tiles = aligned_tile_schedule(sizes, m, tiles.cta_m, layer)
     m_blocks = cdiv(m, tiles.cta_m) * tiles.cta_m
     interpret = use_interpret() if interpret is None else interpret
-    if m_blocks > m and (interpret or m % 8):
+    if m_blocks > m and (interpret or m % 8 or m < tiles.cta_m):
         # the last x box reaches past x. A GPU's TMA reads zeros there, but its descriptor needs
-        # x's rows in whole 8-row tiles, and the interpreter's dynamic slice would move the box
-        # back inside x instead: then x gets the missing rows for real (a copy of x)
+        # x's rows in whole 8-row tiles and at least one box of them, and the interpreter's dynamic
+        # slice would move the box back inside x instead: then x gets the missing rows for real
+        # (a copy of x)
         x = jnp.pad(x, ((0, m_blocks - m), (0, 0)))
     operands = [schedule, x, w] + ([w_scale] if fp8 else [])
     if row_scale is not None:
@@ -429,10 +430,3 @@ def _store_rows(acc, o_gmem, offset, row, size, col, bm, bn, epi_n, o_smem=None)
             done = done + (size & rows)
             rows //= 2
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_smem is read before it is overwritten
-
-
-def tflops(rows: int, n: int, k: int, seconds: float) -> float:
-    """TFLOP/s of a grouped GEMM over `rows` routed rows: 2 * rows * N * K flops in `seconds`."""
-    return 2.0 * rows * n * k / seconds / 1e12
-
-
