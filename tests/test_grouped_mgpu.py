@@ -221,11 +221,14 @@ def _check_rows(got, x, w, sizes, row_scale=None, w_scale=None, samples=128, see
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", [(1408, 2048), (2048, 1408)])
 def test_v2_lite_prefill_on_gpu(n, k):
-    """V2-Lite prefill 8 x 512 tokens, top-6 of 64 experts: 24,576 rows; w1/w3 and w2 shapes."""
+    """V2-Lite prefill 8 x 512 tokens, top-6 of 64 experts: 24,576 rows; w1/w3 and w2 shapes,
+    the default tiles and a warp-specialised 128 x (2 x 64) block."""
     sizes = _routed_sizes(24_576, 64, seed=n)
     x, w, group_sizes, _ = _inputs(sizes, n, k, 0, seed=k)
     assert grouped_gemm_backend(x, w) == "mosaic"  # the automatic choice at prefill on an H100/H200
     _check_rows(grouped_gemm(x, w, group_sizes), x, w, sizes)
+    ws = MosaicTiles(compute_wgs=2, block_n=64)
+    _check_rows(grouped_gemm(x, w, group_sizes, backend="mosaic", mosaic_tiles=ws), x, w, sizes)
 
 
 @pytest.mark.gpu
@@ -251,13 +254,14 @@ def test_v3_fp8_expert_shape_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1000, 1003, 40])
-def test_ragged_rows_on_gpu(rows):
+@pytest.mark.parametrize("rows, tiles", [(1000, SMALL), (1003, SMALL), (40, SMALL), (1000, WS_N), (1003, WS_M)],
+                         ids=["1000-one_wg", "1003-one_wg", "40-one_wg", "1000-ws_n", "1003-ws_m_epi64"])
+def test_ragged_rows_on_gpu(rows, tiles):
     """M not a multiple of 128 (TMA's zero fill past x), nor of 8 or under one block (x padded);
-    bf16 out, small tiles."""
+    bf16 out, small tiles, one warpgroup and warp-specialised."""
     sizes = _routed_sizes(rows - 9, 16, seed=rows)
     x, w, group_sizes, _ = _inputs(sizes, 256, 512, 9, seed=rows)
-    got = grouped_gemm(x, w, group_sizes, out_dtype=jnp.bfloat16, backend="mosaic", mosaic_tiles=SMALL)
+    got = grouped_gemm(x, w, group_sizes, out_dtype=jnp.bfloat16, backend="mosaic", mosaic_tiles=tiles)
     total = sum(sizes)
     _assert_close(got[:total], grouped_gemm_ref(x, w, group_sizes)[:total], 2e-2)
     assert not np.any(np.asarray(got[total:], np.float32))
