@@ -73,7 +73,7 @@ def log(*a):
 
 # ---------------------------------------------------------------- timing
 def time_op(fn, make_set, bytes_per_op: float, floor_s: float, max_sets: int, reps: int = 9,
-            mem_cap: float = 16e9) -> dict:
+            mem_cap: float = 6e9) -> dict:
     """Median seconds per op of fn(*set) over R distinct input sets (see module docstring)."""
     r = math.ceil(max(3 * L2 / max(bytes_per_op, 1), 3e-4 / max(floor_s, 1e-7)))
     r = int(max(2, min(r, max_sets, mem_cap // max(bytes_per_op, 1))))
@@ -384,7 +384,7 @@ def _bench_grouped_shape(sz, ceil, tiles, deadline, name, m, experts, n, k, fp8)
         try:
             if i <= 1:
                 outs[backend] = jax.jit(fn)(*probe)
-            res = time_op(fn, make, nbytes, fl, sz.max_sets, reps=sz.reps)
+            res = time_op(fn, make, nbytes, fl, sz.max_sets, reps=sz.reps, mem_cap=16e9)  # 2 sets of V3's 7.5 GB
         except Exception as e:
             entry["error"] = str(e)[:300]
             log(f"  {name} {row['weights']} {backend} {'' if t is None else t.label()}: ERROR {str(e)[:200]}")
