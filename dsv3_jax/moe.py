@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import FP8_BLOCK, act_quant, grouped_gemm, grouped_gemm_swiglu, use_interpret
+from pallas_kernels import FP8_BLOCK, MOSAIC_MIN_ROWS, act_quant, grouped_gemm, grouped_gemm_swiglu, use_interpret
 from pallas_kernels.reference import weight_dequant_ref
 
 from .config import ModelArgs
@@ -113,8 +113,9 @@ def _fp8_activations(x: jnp.ndarray, scale_fmt: str | None, dtype) -> jnp.ndarra
 def _kernel_tiles(rows: int, fp8: bool, one_row_tiles: bool = False) -> dict:
     """block_m, block_n of the grouped kernels: decode-sized batches, and tiles of one row each
     (`row_groups`), get short row tiles; prefill taller tiles, which re-read each expert less often
-    (block_n <= 128 with fp8 weights)."""
-    block_m, block_n = (16, 64) if rows <= 1024 or one_row_tiles else (64, 128)
+    (block_n <= 128 with fp8 weights). Past the same row count grouped_gemm runs bf16 weights on its
+    wgmma kernel (with its own tiles) on sm_90."""
+    block_m, block_n = (16, 64) if rows <= MOSAIC_MIN_ROWS or one_row_tiles else (64, 128)
     return dict(block_m=block_m, block_n=min(block_n, FP8_BLOCK) if fp8 else block_n)
 
 

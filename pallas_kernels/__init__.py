@@ -4,12 +4,14 @@
     w = weight_dequant(w_q, s, block_size=128, out_dtype=bf16)  # (M, N) e4m3 + f32 (ceil(M/128), ceil(N/128))
     c = fp8_gemm(a, a_s, b, b_s, out_dtype=bf16)                # (..., K) x (N, K)^T -> (..., N)
     y = grouped_gemm(x, w, group_sizes, w_scale=None)           # rows sorted by group x (G, N, K)^T
+    y = grouped_gemm_mgpu(x, w, group_sizes)                    # the same on wgmma (Mosaic GPU, bf16)
     h = grouped_gemm_swiglu(x, w1, w3, group_sizes)             # silu(x W1_g^T) * (x W3_g^T), one launch
     o = mla_decode(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_pe, scale=s)
 
-On an NVIDIA GPU the kernels compile through Pallas' Triton backend (and fp8_gemm, on Hopper at
-M >= 128, through its Mosaic GPU backend: gemm_mgpu; fp8_gemm_path says which); on any other
-backend they run in Pallas interpret mode (same results, slowly). All are jit- and shard_map-compatible.
+On an NVIDIA GPU the kernels compile through Pallas' Triton backend; on Hopper (sm_90) fp8_gemm at
+M >= 128 (gemm_mgpu; fp8_gemm_path says which) and grouped_gemm for prefill-sized steps (grouped_mgpu;
+grouped_gemm_backend says which) run on Pallas Mosaic GPU kernels (TMA, wgmma). On any other backend
+they run in Pallas interpret mode (same results, slowly). All are jit- and shard_map-compatible.
 `pallas_kernels.reference` holds plain-jnp twins used as the tests' oracle. The modules are named
 for what they do (quantize, dequantize, gemm, grouped, mla), so that each stays reachable beside
 the function it exports. FP8_BLOCK, FP8_DTYPE and cdiv are the one definition the model uses too.
@@ -18,9 +20,11 @@ from ._common import BLOCK as FP8_BLOCK, FP8 as FP8_DTYPE, cdiv, use_interpret
 from .dequantize import weight_dequant
 from .gemm import GemmConfig, fp8_gemm, fp8_gemm_path
 from .gemm_mgpu import MosaicGemmConfig
-from .grouped import grouped_gemm, grouped_gemm_swiglu
+from .grouped import grouped_gemm, grouped_gemm_backend, grouped_gemm_swiglu
+from .grouped_mgpu import MOSAIC_MIN_ROWS, MosaicTiles, grouped_gemm_mgpu
 from .mla import mla_decode
 from .quantize import act_quant
 
-__all__ = ["FP8_BLOCK", "FP8_DTYPE", "GemmConfig", "MosaicGemmConfig", "act_quant", "cdiv", "fp8_gemm", "fp8_gemm_path",
-           "grouped_gemm", "grouped_gemm_swiglu", "mla_decode", "use_interpret", "weight_dequant"]
+__all__ = ["FP8_BLOCK", "FP8_DTYPE", "GemmConfig", "MOSAIC_MIN_ROWS", "MosaicGemmConfig", "MosaicTiles", "act_quant",
+           "cdiv", "fp8_gemm", "fp8_gemm_path", "grouped_gemm", "grouped_gemm_backend", "grouped_gemm_mgpu",
+           "grouped_gemm_swiglu", "mla_decode", "use_interpret", "weight_dequant"]

@@ -17,6 +17,7 @@ BLOCK = 128  # DeepSeek's FP8 block: scales cover 128 consecutive elements / 128
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-4  # the reference clamps each block's amax to at least this
+SHARED_MEMORY_BYTES = 232_448  # the most dynamic shared memory one block may use on sm_90 (H100, H200)
 
 
 def use_interpret() -> bool:
@@ -26,6 +27,13 @@ def use_interpret() -> bool:
     (a scan over the grid in plain XLA), which computes the same function, slowly.
     """
     return jax.default_backend() not in ("gpu", "cuda")
+
+
+def hopper() -> bool:
+    """True if the default device is a GPU of compute capability 9.x (H100, H200): wgmma and TMA."""
+    if use_interpret():
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -30,17 +30,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import BLOCK, FP8, cdiv, fail, interpret_in_shard_map, match_vma, result, use_interpret, vma_union
+from ._common import (BLOCK, FP8, SHARED_MEMORY_BYTES, cdiv, fail, hopper, interpret_in_shard_map, match_vma, result,
+                      use_interpret, vma_union)
+from .grouped_mgpu import MOSAIC_AUTO_FP8, MOSAIC_MIN_ROWS, MosaicTiles, grouped_gemm_mgpu, mosaic_supports
 from .reference import grouped_gemm_ref, grouped_gemm_swiglu_ref  # noqa: F401 (re-exported)
 
 _FN = "grouped_gemm"
-SHARED_MEMORY_BYTES = 232_448  # the most dynamic shared memory one block may use on sm_90 (H100, H200)
 
 
 def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None, w_scale: jax.Array | None = None,
                  *, row_groups: jax.Array | None = None, layer: jax.Array | int | None = None,
                  row_scale: jax.Array | None = None, out_dtype=jnp.float32, block_m: int = 16, block_n: int = 64,
-                 num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+                 num_warps: int = 4, num_stages: int = 3, backend: str = "auto",
+                 mosaic_tiles: MosaicTiles | None = None) -> jax.Array:
     """Rows of x (M, K), sorted by group, times their group's w (G, N, K) transposed -> (M, N).
 
     The groups of the rows come either as `group_sizes` (rows sorted by group) or as `row_groups`
@@ -48,6 +50,12 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
     so no sort and no schedule is computed, at the price of reading a group's weights once per row
     that names it. That suits a decode step of a few tokens, whose (token, choice) slots mostly
     name distinct experts.
+
+    Two kernels compute it: the Triton one below (mma.sync; any shape) and
+    `grouped_mgpu.grouped_gemm_mgpu` (wgmma through Pallas Mosaic GPU; bf16 x, group_sizes only),
+    which `backend="auto"` picks on an sm_90 GPU for steps of more than MOSAIC_MIN_ROWS rows (prefill)
+    with bf16 weights (fp8 weights: with backend="mosaic", or under "auto" once MOSAIC_AUTO_FP8);
+    `grouped_gemm_backend` says which one a call takes.
 
     Args:
       x: bfloat16/float32 (M, K), K a multiple of 128.
@@ -60,10 +68,46 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
       row_scale: optional float32 (M,): row r's float32 result is multiplied by row_scale[r] before
         the store (the MoE routing weight of the down projection, without a kernel of its own).
       block_m, block_n: rows and output columns per program (powers of two >= 16; block_n <= 128
-        with an fp8 weight, so that one scale covers a tile's columns).
+        with an fp8 weight, so that one scale covers a tile's columns). Triton kernel only.
+      backend: "auto", "triton" or "mosaic" (the latter in Mosaic GPU interpret mode off a GPU).
+      mosaic_tiles: the Mosaic kernel's tiles and pipeline depth (default `MosaicTiles()`).
     """
-    return _grouped(_FN, x, (w,), (w_scale,), _groups(_FN, group_sizes, row_groups), layer, row_scale, False,
-                    out_dtype, block_m, block_n, num_warps, num_stages)
+    groups = _groups(_FN, group_sizes, row_groups)
+    tiles = MosaicTiles() if mosaic_tiles is None else mosaic_tiles
+    if grouped_gemm_backend(x, w, w_scale, out_dtype=out_dtype, backend=backend, mosaic_tiles=tiles,
+                            row_groups=row_groups) == "mosaic":
+        return grouped_gemm_mgpu(x, w, group_sizes, w_scale, layer=layer, row_scale=row_scale, out_dtype=out_dtype,
+                                 tiles=tiles)
+    return _grouped(_FN, x, (w,), (w_scale,), groups, layer, row_scale, False, out_dtype,
+                    block_m, block_n, num_warps, num_stages)
+
+
+BACKENDS = ("auto", "triton", "mosaic")
+
+
+def grouped_gemm_backend(x: jax.Array, w: jax.Array, w_scale: jax.Array | None = None, *, out_dtype=jnp.float32,
+                         backend: str = "auto", mosaic_tiles: MosaicTiles | None = None,
+                         row_groups: jax.Array | None = None) -> str:
+    """"mosaic" or "triton": the kernel `grouped_gemm` runs with these arguments (benchmarks record it).
+
+    "auto" takes the wgmma kernel on a GPU of compute capability 9.x when x has more than
+    MOSAIC_MIN_ROWS rows (prefill: tall tiles keep the tensor cores busy) and the call is one
+    it supports (see `mosaic_supports`; rows given by `row_groups` are not) with bf16 weights
+    (fp8 ones only if MOSAIC_AUTO_FP8); otherwise, and everywhere off a GPU, Triton.
+    """
+    if backend not in BACKENDS:
+        fail(_FN, f"backend is {backend!r}, expected one of {BACKENDS}")
+    tiles = MosaicTiles() if mosaic_tiles is None else mosaic_tiles
+    reason = "rows given by row_groups" if row_groups is not None else None
+    if backend == "mosaic":
+        reason = reason or mosaic_supports(x, w, w_scale, out_dtype, tiles)
+        if reason:
+            fail(_FN, f"backend='mosaic' does not support this call: {reason}")
+        return "mosaic"
+    if backend == "auto" and reason is None and hopper() and x.ndim == 2 and x.shape[0] > MOSAIC_MIN_ROWS \
+            and (w_scale is None or MOSAIC_AUTO_FP8) and mosaic_supports(x, w, w_scale, out_dtype, tiles) is None:
+        return "mosaic"
+    return "triton"
 
 
 def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array | None = None,

@@ -11,6 +11,11 @@ benchmarks/). Measures in the same run: copy bandwidth, XLA's bf16 and fp8 matmu
     side by side (impl="triton" / "mosaic") at M in {64, 128, 512, 4096} on (18432, 7168) and
     (7168, 18432), with the kernel "auto" picks; --mosaic-sweep / --mosaic-configs add Mosaic
     tilings (at every M of --mosaic-m). With only this part the ceilings are the constants below, not measured.
+  * the grouped expert GEMM (--only grouped) at prefill: V2-Lite 8x512 tokens top-6 of 64 experts
+    (24,576 rows; w1/w3 (64, 1408, 2048), w2 (64, 2048, 1408)) and V3's 256 experts at 4,096 rows
+    ((2048, 7168), (7168, 2048)): the Triton kernel (mma.sync) beside the Mosaic GPU one (wgmma),
+    bf16 weights, float32 out, with the backend grouped_gemm picks by itself; --grouped-tiles
+    sweeps the Mosaic kernel's MosaicTiles (e.g. "block_m=128,max_concurrent_steps=4;block_n=64").
 Timing: one jitted program applies the op to R distinct input sets (R chosen so the sets exceed
 the L2 several times and one call lasts >= ~0.3 ms, hiding dispatch), called repeatedly after a
 warm-up; the median over repeats of wall time / (calls * R) is reported. --sweep also times
@@ -34,7 +39,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import FP8_BLOCK, FP8_DTYPE as FP8, GemmConfig, act_quant, cdiv, fp8_gemm, reference, weight_dequant
+from pallas_kernels import (FP8_BLOCK, FP8_DTYPE as FP8, GemmConfig, MosaicTiles, act_quant, cdiv, fp8_gemm,
+                            grouped_gemm, grouped_gemm_backend, reference)
 from pallas_kernels import dequantize as WD, gemm as GM, quantize as AQ
 from pallas_kernels.gemm_mgpu import MosaicGemmConfig, default_mosaic_config
 
@@ -42,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 HBM = 4.3e12  # measured copy bandwidth on an H200 here (bytes/s), overridden by this run's
 PEAK_BF16, PEAK_FP8 = 785e12, 1400e12  # XLA on an H200 here, overridden by this run's
+PEAK_BF16_SPEC = 790e12  # the bf16 dense peak the grouped GEMM's TFLOP/s are printed beside
 L2 = 60e6
 
 
@@ -54,10 +61,15 @@ class Sizes:
     peak_n: int = 8192
     copy_elems: int = 2**29
     max_sets: int = 64
+    # (name, routed rows, experts, N, K, weight kinds) of the grouped expert GEMM at prefill
+    grouped: tuple = (("v2lite_w13", 24_576, 64, 1408, 2048, ("bf16",)), ("v2lite_w2", 24_576, 64, 2048, 1408, ("bf16",)),
+                      ("v3_w13", 4096, 256, 2048, 7168, ("bf16", "fp8")), ("v3_w2", 4096, 256, 7168, 2048, ("bf16", "fp8")))
+    reps: int = 9
 
 
 SMOKE = Sizes(gemm_nk=((256, 256), (130, 384)), gemm_m=(1, 20), act=(64, 256), dequant=(200, 256),
-              peak_n=256, copy_elems=2**16, max_sets=2)  # a CPU dry run of every code path, in interpret mode
+              peak_n=256, copy_elems=2**16, max_sets=2, grouped=(("tiny", 300, 4, 256, 256, ("bf16", "fp8")),),
+              reps=1)  # a CPU dry run of every code path, in interpret mode
 
 
 def log(*a):
@@ -385,6 +397,91 @@ def versions() -> dict:
     return v
 
 
+def routed_sizes(rows: int, experts: int, seed: int) -> jax.Array:
+    """Rows per expert of a uniform top-k routing: a multinomial draw (the tile schedule sees the
+    uneven counts a real router gives)."""
+    return jax.random.multinomial(jax.random.PRNGKey(seed), rows, jnp.full((experts,), 1.0 / experts),
+                                  shape=(experts,)).astype(jnp.int32)
+
+
+def bench_grouped(sz: Sizes, ceil: dict, tiles: list[MosaicTiles], deadline: float) -> list[dict]:
+    """Triton vs Mosaic grouped GEMM (float32 out) at each `sz.grouped` shape and weight kind (bf16;
+    fp8 with 128x128 block scales, dequantised in the kernels); the first Mosaic config is the
+    default, the rest are --grouped-tiles (timed while the budget lasts)."""
+    rows_out = []
+    for name, m, experts, n, k, kinds in sz.grouped:
+        for kind in kinds:
+            rows_out.append(_bench_grouped_shape(sz, ceil, tiles, deadline, name, m, experts, n, k, kind == "fp8"))
+    return rows_out
+
+
+def _bench_grouped_shape(sz, ceil, tiles, deadline, name, m, experts, n, k, fp8) -> dict:
+    """One row of bench_grouped: every backend / tile config at one shape and weight kind."""
+    sizes = routed_sizes(m, experts, seed=m + n)
+    used = int((sizes > 0).sum())
+    flops = 2 * m * n * k
+    scale_bytes = used * cdiv(n, FP8_BLOCK) * (k // FP8_BLOCK) * 4 if fp8 else 0
+    nbytes = used * n * k * (1 if fp8 else 2) + scale_bytes + m * k * 2 + m * n * 4  # experts in use, x, f32 out
+    floor = {"mem_us": nbytes / ceil["copy_Bps"] * 1e6, "compute_us": flops / ceil["bf16_flops"] * 1e6,
+             "compute_790_us": flops / PEAK_BF16_SPEC * 1e6}
+    key = jax.random.PRNGKey(n * 7 + k)
+
+    def make(i):
+        kk = jax.random.fold_in(key, i)
+        x = rand(jax.random.fold_in(kk, 1), (m, k), jnp.bfloat16)
+        if not fp8:
+            return x, rand(kk, (experts, n, k), jnp.bfloat16, 0.05), None, sizes
+        w8 = rand(kk, (experts, n, k), FP8, 64.0)
+        scale = jnp.exp2(jax.random.uniform(jax.random.fold_in(kk, 2), (experts, cdiv(n, FP8_BLOCK), k // FP8_BLOCK),
+                                            minval=-12, maxval=-4))
+        return x, w8, scale, sizes
+
+    row = {"name": name, "weights": "fp8" if fp8 else "bf16", "rows": m, "experts": experts, "experts_used": used,
+           "N": n, "K": k, "flops": flops, "bytes": nbytes, "floor": floor,
+           "peak_bf16_spec_tflops": PEAK_BF16_SPEC / 1e12}
+    probe = make(0)
+    row["backend_auto"] = grouped_gemm_backend(probe[0], probe[1], probe[2], out_dtype=jnp.float32)
+    fl = max(floor["mem_us"], floor["compute_us"]) / 1e6
+    runs = []
+    variants = [("triton", None)] + [("mosaic", t) for t in tiles]
+    outs = {}
+    for i, (backend, t) in enumerate(variants):
+        if i > 1 and time.time() > deadline:
+            row["sweep_cut"] = True
+            break
+        fn = lambda x, w, sc, s, backend=backend, t=t: grouped_gemm(  # noqa: E731
+            x, w, s, sc, backend=backend, mosaic_tiles=t, block_m=64, block_n=128)  # Triton: moe's prefill tiles
+        entry = {"backend": backend, "tiles": None if t is None else dataclasses.asdict(t), "default": i <= 1}
+        try:
+            if i <= 1:
+                outs[backend] = jax.jit(fn)(*probe)
+            res = time_op(fn, make, nbytes, fl, sz.max_sets, reps=sz.reps, mem_cap=16e9)  # 2 sets of V3's 7.5 GB
+        except Exception as e:
+            entry["error"] = str(e)[:300]
+            log(f"  {name} {row['weights']} {backend} {'' if t is None else t.label()}: ERROR {str(e)[:200]}")
+            runs.append(entry)
+            continue
+        entry.update(us=res["s"] * 1e6, tflops=flops / res["s"] / 1e12, spread=res["spread"], sets=res["sets"])
+        runs.append(entry)
+        log(f"  {name} {row['weights']} {backend:6s} {'' if t is None else t.label()}: {entry['us']:8.1f} us {entry['tflops']:6.1f} TFLOP/s "
+            f"(bf16 peak {PEAK_BF16_SPEC / 1e12:.0f}, XLA dense {ceil['bf16_flops'] / 1e12:.0f})")
+    if "triton" in outs and "mosaic" in outs:
+        a, b = outs["triton"].astype(jnp.float32), outs["mosaic"].astype(jnp.float32)
+        row["mosaic_vs_triton_max_rel"] = float(jnp.max(jnp.abs(a - b)) / jnp.sqrt(jnp.mean(a * a)))
+    del probe, outs
+    row["runs"] = runs
+    best = {b: min((r for r in runs if r["backend"] == b and "us" in r), key=lambda r: r["us"], default=None)
+            for b in ("triton", "mosaic")}
+    for b, r in best.items():
+        if r:
+            row[f"{b}_best_us"], row[f"{b}_best_tflops"] = r["us"], r["tflops"]
+    row["mosaic_best_tiles"] = best["mosaic"]["tiles"] if best["mosaic"] else None
+    log(f"{name} {row['weights']}: rows {m} experts {used}/{experts} N {n} K {k}: triton {row.get('triton_best_tflops', float('nan')):.0f}, "
+        f"mosaic {row.get('mosaic_best_tflops', float('nan')):.0f} TFLOP/s (peak {PEAK_BF16_SPEC / 1e12:.0f}); "
+        f"floor mem {floor['mem_us']:.0f} us compute {floor['compute_us']:.0f} us; auto picks {row['backend_auto']}")
+    return row
+
+
 def markdown(rep: dict) -> str:
     c = rep["ceilings"]
     note = rep.get("ceilings_note") or (
@@ -439,6 +536,20 @@ def markdown(rep: dict) -> str:
                     L.append(f"| {r['M']} | {r['N']}x{r['K']} | {r['auto_path']} | {x['impl']} | {cfg} | {x['us']:.1f} | "
                              f"{x['tflops']:.0f} | {100 * x['of_peak']:.0f}% of {r['peak_fp8'] / 1e12:.0f} | "
                              f"{x['rel_l2_vs_triton']:.1e} |")
+    if rep.get("grouped"):
+        L += ["", f"Grouped expert GEMM (float32 out; fp8 weights dequantised to bf16 in the kernels): Triton (mma.sync, 64x128 tiles) vs Mosaic GPU "
+              f"(wgmma). TFLOP/s beside the {PEAK_BF16_SPEC / 1e12:.0f} TFLOP/s bf16 peak; floors: memory = the "
+              "experts in use + x + out over the copy bandwidth, compute = FLOPs over XLA's measured bf16 peak.", "",
+              "| shape | weights | rows | experts used | N x K | Triton us | TFLOP/s | Mosaic us | TFLOP/s | best Mosaic tiles "
+              "| floor mem / compute us | auto |", "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---|"]
+        fmt = lambda v: f"{v:.1f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
+        for r in rep["grouped"]:
+            t = r.get("mosaic_best_tiles")
+            tiles = MosaicTiles(**t).label() if t else "-"
+            L.append(f"| {r['name']} | {r.get('weights', 'bf16')} | {r['rows']} | {r['experts_used']}/{r['experts']} | {r['N']}x{r['K']} | "
+                     f"{fmt(r.get('triton_best_us'))} | {fmt(r.get('triton_best_tflops'))} | {fmt(r.get('mosaic_best_us'))} | "
+                     f"{fmt(r.get('mosaic_best_tflops'))} | {tiles} | {r['floor']['mem_us']:.1f} / "
+                     f"{r['floor']['compute_us']:.1f} | {r['backend_auto']} |")
     if rep.get("inspect"):
         L += ["", "Tensor-core instructions in the PTX XLA compiled (M=4096, N=2048, K=7168):", ""]
         for r in rep["inspect"]:
@@ -498,12 +609,14 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time alternative tilings")
     ap.add_argument("--budget-s", type=float, default=420, help="stop sweeping after this many seconds")
     ap.add_argument("--inspect", action="store_true", help="count wgmma / mma.sync in XLA's PTX")
-    ap.add_argument("--only", default="", help="comma list of parts: act,dequant,gemm,mosaic (default: "
+    ap.add_argument("--only", default="", help="comma list of parts: act,dequant,gemm,mosaic,grouped (default: "
                     "act,dequant,gemm)")
     ap.add_argument("--mosaic-m", default="", help="comma list of M for part mosaic (default 4096,512,128,64)")
     ap.add_argument("--mosaic-sweep", action="store_true", help="part mosaic: also time mosaic_candidates()")
     ap.add_argument("--mosaic-configs", default="", help="part mosaic: JSON list of MosaicGemmConfig fields "
                     "to time too, e.g. '[{\"max_concurrent_steps\": 5}]'")
+    ap.add_argument("--grouped-tiles", default="", help="Mosaic grouped GEMM tiles to time after the default, "
+                    "';'-separated MosaicTiles specs, e.g. 'block_m=128,max_concurrent_steps=5;block_n=64'")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU dry run of the script")
     ap.add_argument("--m", default="", help="comma list of M to run (default: all)")
     ap.add_argument("--sweep-only", default="", help="comma list of MxNxK (or M) to sweep; default: all")
@@ -518,7 +631,8 @@ def main():
     t_start = time.time()
     deadline = t_start + args.budget_s
     dev = jax.devices()[0]
-    parts = set(args.only.split(",")) if args.only else {"act", "dequant", "gemm"}
+    parts = set(args.only.split(",")) if args.only else {"act", "dequant", "gemm", "grouped"}
+    grouped_tiles = [MosaicTiles()] + [MosaicTiles.parse(t) for t in args.grouped_tiles.split(";") if t.strip()]
     rep = {"gpu": dev.device_kind, "sms": getattr(dev, "core_count", None), "versions": versions(),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "method": "median over 9 repeats of wall time / (calls x R distinct input sets) of one jitted "
@@ -528,7 +642,7 @@ def main():
         rep["inspect"] = inspect_ptx([GemmConfig(128, 128, 1, 8, 3, "f16"), GemmConfig(128, 128, 1, 8, 3, "fp8")])
     global HBM
     sz = SMOKE if args.smoke else Sizes()
-    if parts == {"mosaic"}:  # a quick A/B: the ceilings are this file's constants
+    if parts <= {"mosaic", "grouped"}:  # a quick A/B: the ceilings are this file's constants
         rep["ceilings"] = {"copy_Bps": HBM, "bf16_flops": PEAK_BF16, "fp8_flops": PEAK_FP8}
         rep["ceilings_note"] = (f"Ceilings not measured in this run: copy {HBM / 1e12:.2f} TB/s, fp8 peak "
                                 f"{PEAK_FP8 / 1e12:.0f} TFLOP/s (bench_kernels.py constants).")
@@ -576,6 +690,8 @@ def main():
                 sweep = args.sweep and (not sweep_only or f"{m}x{n}x{k}" in sweep_only or str(m) in sweep_only)
                 rep["gemm"].append(bench_gemm(sz, m, n, k, rep["ceilings"], sweep, deadline))
                 save()
+    if "grouped" in parts:
+        rep["grouped"] = bench_grouped(sz, rep["ceilings"], grouped_tiles, deadline)
     save()
     log(markdown(rep))
 
