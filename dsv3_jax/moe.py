@@ -85,19 +85,20 @@ def grouped_kernel_applies(in_dims: tuple[int, ...]) -> bool:
     return not use_interpret() and all(k % FP8_BLOCK == 0 for k in in_dims)
 
 
-SLOTS_MAX = 64  # (token, expert) slots up to which "auto" runs "slots": b <= 8 at top-6 or top-8
+SLOTS_MAX = 48  # (token, expert) slots up to which "auto" runs "slots"
 FUSED_MAX_ROWS = 1024  # routed rows up to which "auto" runs "fused" (decode); above, the grouped kernel
 
 
 def auto_moe_impl(slots: int, local_experts: int, kernels: bool) -> str:
     """What moe_impl "auto" runs for a step of `slots` (token, expert) assignments.
 
-    With the Pallas kernels (a GPU): "slots" up to SLOTS_MAX (no sort, scatter or schedule: at
-    V2-Lite decode b=1 2.94 vs 3.27 ms for "fused", b=8 7.80 vs 8.42, but b=32 14.76 vs 11.81, where
-    experts chosen by several tokens are read once per slot); "fused" up to FUSED_MAX_ROWS; "kernel"
-    above (prefill: 25.4k vs 24.4k tok/s for "fused" at 1x512). Without them: "gather" when the
-    experts in use are few next to the local experts, else "ragged".
-    (Measured on one H200, benchmarks/NOTES.md items 15-16.)"""
+    With the Pallas kernels (a GPU): "slots" up to SLOTS_MAX (no sort, scatter or schedule: V2-Lite
+    decode b=1 2.94 vs 3.27 ms for "fused", b=8 (48 slots) 7.80 vs 8.42; but b=32 14.76 vs 11.81,
+    where experts chosen by several tokens are read once per slot, and the V3 shape's b=8 (64 slots,
+    fp8) ran 5.40 ms against 4.72 ms for a 2-token "fused" step); "fused" up to FUSED_MAX_ROWS;
+    "kernel" above (prefill: 25.4k vs 24.4k tok/s for "fused" at 1x512). Without them: "gather"
+    when the experts in use are few next to the local experts, else "ragged".
+    (Measured on one H200, benchmarks/NOTES.md items 15-17.)"""
     if kernels:
         return "slots" if slots <= SLOTS_MAX else "fused" if slots <= FUSED_MAX_ROWS else "kernel"
     return "gather" if 2 * slots <= local_experts else "ragged"
