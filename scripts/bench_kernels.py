@@ -404,12 +404,15 @@ def routed_sizes(rows: int, experts: int, seed: int) -> jax.Array:
                                   shape=(experts,)).astype(jnp.int32)
 
 
-def bench_grouped(sz: Sizes, ceil: dict, tiles: list[MosaicTiles], deadline: float) -> list[dict]:
-    """Triton vs Mosaic grouped GEMM (float32 out) at each `sz.grouped` shape and weight kind (bf16;
-    fp8 with 128x128 block scales, dequantised in the kernels); the first Mosaic config is the
-    default, the rest are --grouped-tiles (timed while the budget lasts)."""
+def bench_grouped(sz: Sizes, ceil: dict, tiles: list[MosaicTiles], deadline: float,
+                  names: set[str] | None = None) -> list[dict]:
+    """Triton vs Mosaic grouped GEMM (float32 out) at each `sz.grouped` shape (those in `names`, if
+    given) and weight kind (bf16; fp8 with 128x128 block scales, dequantised in the kernels); the
+    first Mosaic config is the default, the rest are --grouped-tiles (timed while the budget lasts)."""
     rows_out = []
     for name, m, experts, n, k, kinds in sz.grouped:
+        if names and name not in names:
+            continue
         for kind in kinds:
             rows_out.append(_bench_grouped_shape(sz, ceil, tiles, deadline, name, m, experts, n, k, kind == "fp8"))
     return rows_out
@@ -615,6 +618,8 @@ def main():
     ap.add_argument("--mosaic-sweep", action="store_true", help="part mosaic: also time mosaic_candidates()")
     ap.add_argument("--mosaic-configs", default="", help="part mosaic: JSON list of MosaicGemmConfig fields "
                     "to time too, e.g. '[{\"max_concurrent_steps\": 5}]'")
+    ap.add_argument("--grouped-shapes", default="", help="part grouped: comma list of shape names to run "
+                    "(default: all: v2lite_w13, v2lite_w2, v3_w13, v3_w2)")
     ap.add_argument("--grouped-tiles", default="", help="Mosaic grouped GEMM tiles to time after the default, "
                     "';'-separated MosaicTiles specs, e.g. 'block_m=128,max_concurrent_steps=5;block_n=64'")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU dry run of the script")
@@ -691,7 +696,8 @@ def main():
                 rep["gemm"].append(bench_gemm(sz, m, n, k, rep["ceilings"], sweep, deadline))
                 save()
     if "grouped" in parts:
-        rep["grouped"] = bench_grouped(sz, rep["ceilings"], grouped_tiles, deadline)
+        rep["grouped"] = bench_grouped(sz, rep["ceilings"], grouped_tiles, deadline,
+                                       {v for v in args.grouped_shapes.split(",") if v})
     save()
     log(markdown(rep))
 
