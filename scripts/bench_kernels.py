@@ -223,20 +223,28 @@ def candidates(m: int, n: int, k: int) -> list[GemmConfig]:
     return [c for c in dict.fromkeys(out) if c != default]
 
 
-def bench_gemm(sz: Sizes, m: int, n: int, k: int, ceil: dict, sweep: bool, deadline: float) -> dict:
-    flops = 2 * m * n * k
-    b8 = n * k + m * k + m * n * 2 + m * k // 128 * 4 + cdiv(n, FP8_BLOCK) * (k // FP8_BLOCK) * 4
-    b16 = 2 * (n * k + m * k + m * n)
-    hbm, pk8, pk16 = ceil["copy_Bps"], ceil["fp8_flops"], ceil["bf16_flops"]
-    floor8 = {"mem_us": b8 / hbm * 1e6, "compute_us": flops / pk8 * 1e6}
-    floor16 = {"mem_us": b16 / hbm * 1e6, "compute_us": flops / pk16 * 1e6}
+def fp8_gemm_operands(m: int, n: int, k: int):
+    """(bytes an fp8_gemm of this shape moves, a maker of its i-th distinct operand set (a, a_s, b, b_s),
+    the shape's PRNG key)."""
+    nbytes = n * k + m * k + m * n * 2 + m * k // 128 * 4 + cdiv(n, FP8_BLOCK) * (k // FP8_BLOCK) * 4
     key = jax.random.PRNGKey(m * 7 + n * 13 + k)
 
-    def mk8(i):
+    def make(i):
         kk = jax.random.fold_in(key, i)
         a, a_s = act_quant(rand(jax.random.fold_in(kk, 1), (m, k), jnp.bfloat16, 3.0))
         b, b_s = weight(kk, n, k)
         return a, a_s, b, b_s
+
+    return nbytes, make, key
+
+
+def bench_gemm(sz: Sizes, m: int, n: int, k: int, ceil: dict, sweep: bool, deadline: float) -> dict:
+    flops = 2 * m * n * k
+    b8, mk8, key = fp8_gemm_operands(m, n, k)
+    b16 = 2 * (n * k + m * k + m * n)
+    hbm, pk8, pk16 = ceil["copy_Bps"], ceil["fp8_flops"], ceil["bf16_flops"]
+    floor8 = {"mem_us": b8 / hbm * 1e6, "compute_us": flops / pk8 * 1e6}
+    floor16 = {"mem_us": b16 / hbm * 1e6, "compute_us": flops / pk16 * 1e6}
 
     def mk16(i):
         kk = jax.random.fold_in(key, i)
@@ -309,15 +317,7 @@ def bench_mosaic(sz: Sizes, m: int, n: int, k: int, peak: float, configs: list) 
     """Triton and Mosaic fp8_gemm (bf16 out) at one shape: us, TFLOP/s, share of the fp8 peak,
     and each Mosaic result's rel. L2 distance from the Triton kernel's (a correctness guard)."""
     flops = 2 * m * n * k
-    b8 = n * k + m * k + m * n * 2 + m * k // 128 * 4 + cdiv(n, FP8_BLOCK) * (k // FP8_BLOCK) * 4
-    key = jax.random.PRNGKey(m * 7 + n * 13 + k)
-
-    def mk8(i):
-        kk = jax.random.fold_in(key, i)
-        a, a_s = act_quant(rand(jax.random.fold_in(kk, 1), (m, k), jnp.bfloat16, 3.0))
-        b, b_s = weight(kk, n, k)
-        return a, a_s, b, b_s
-
+    b8, mk8, _ = fp8_gemm_operands(m, n, k)
     row = {"M": m, "N": n, "K": k, "flops": flops, "auto_path": GM.fp8_gemm_path(m, n, k), "peak_fp8": peak,
            "runs": []}
     floor = max(b8 / HBM, flops / peak)
