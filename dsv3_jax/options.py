@@ -14,6 +14,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from .sharding import PRESETS, Layout
+
 COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -38,6 +40,10 @@ class RunOptions:
                             "or ragged_dot (auto: the kernel on a GPU)")
     decode_attn: str = _choice("xla", ("xla", "kernel"),
                                "absorbed attention of single-token steps: XLA einsums or the Pallas kernel")
+    layout: str = _choice("tp", tuple(PRESETS),
+                          "how the model is split over the devices (see dsv3_jax.sharding): tp (attention "
+                          "tensor-parallel), dp-attn (attention and cache split by batch), rep-attn "
+                          "(attention replicated), ep-only (only the routed experts split)")
     unroll: bool = dataclasses.field(default=False, metadata={"help": "unroll the layer scans (longer compile, "
                                                                      "no loop between layers)"})
 
@@ -112,6 +118,7 @@ class StepContext:
     options: RunOptions = RunOptions()
     scale_fmt: str | None = None  # ModelArgs.scale_fmt: None or "ue8m0"
     kv_start: int = 0  # attention reads cache positions [kv_start, kv_len) (the MTP block: 1)
+    layout: Layout = Layout()  # how the step is split (the default: not at all, no collective)
 
     @property
     def gemm(self) -> dict:

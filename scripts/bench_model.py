@@ -30,7 +30,7 @@ from dsv3_jax.chat import start_distributed
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.options import add_flags, choices, from_flags
 from dsv3_jax.schema import abstract_state
-from dsv3_jax.sharding import parameter_bytes_per_device
+from dsv3_jax.sharding import Layout, parameter_bytes_per_device
 
 
 def option_list(name: str):
@@ -63,7 +63,7 @@ def copy_bandwidth(device) -> float:
 def decode_bytes(args: ModelArgs, batch: int, context: int, dtype_bytes: int) -> float:
     """Fewest bytes one decode step must read: each selected expert once (expected distinct
     experts under uniform routing), every other weight but the embedding once, and the cache rows attended."""
-    w = parameter_bytes_per_device(abstract_state(args, jnp.bfloat16), 1)
+    w = parameter_bytes_per_device(abstract_state(args, jnp.bfloat16), Layout())
     k, experts = args.n_activated_experts, args.n_routed_experts
     distinct = experts * (1 - (1 - k / experts) ** batch)
     total = sum(w.get(role, 0.0) for role in ("attention", "dense MLP", "shared experts", "gate", "norms", "head"))
@@ -74,7 +74,7 @@ def decode_bytes(args: ModelArgs, batch: int, context: int, dtype_bytes: int) ->
 
 def prefill_flops(args: ModelArgs, batch: int, length: int) -> float:
     """Matmul FLOPs of a prefill (2 per multiply-add), attention scores included (causal half)."""
-    w = parameter_bytes_per_device(abstract_state(args.replace(dtype="bf16"), jnp.bfloat16), 1)
+    w = parameter_bytes_per_device(abstract_state(args.replace(dtype="bf16"), jnp.bfloat16), Layout())
     per_token = sum(w.get(role, 0.0) for role in ("attention", "dense MLP", "shared experts", "gate", "head"))
     per_token += w.get("routed experts", 0.0) * args.n_activated_experts / args.n_routed_experts
     per_token /= 2  # bf16 bytes -> elements
