@@ -44,9 +44,11 @@ def cache_specs(attn_impl: str, layout: Layout) -> dict[str, P]:
 
 def allocate_cache(args: ModelArgs, attn_impl: str, mesh: Mesh, layout: Layout, dtype, batch: int | None = None,
                    length: int | None = None, mtp: bool = False) -> dict[str, jax.Array]:
-    """A zeroed cache for (batch, length), default (max_batch_size, max_seq_len), placed on the mesh;
-    with `mtp`, one more layer (index n_layers) for the MTP block."""
-    shapes = cache_shapes(args, attn_impl, batch or args.max_batch_size, length or args.max_seq_len, mtp)
+    """A zeroed cache for (batch, length), default (max_batch_size, max_seq_len), placed on the mesh
+    as `layout` splits it; with `mtp`, one more layer (index n_layers) for the MTP block. Its rows
+    are rounded up to a multiple of the parts the layout splits the batch into."""
+    rows = layout.padded_batch(batch or args.max_batch_size)
+    shapes = cache_shapes(args, attn_impl, rows, length or args.max_seq_len, mtp)
     specs = cache_specs(attn_impl, layout)
     shardings = {name: NamedSharding(mesh, specs[name]) for name in shapes}
     make = jax.jit(lambda: {name: jnp.zeros(shape, dtype) for name, shape in shapes.items()},

@@ -219,9 +219,10 @@ class Layout:
         return np.arange(batch).reshape(batch // parts, parts).T.reshape(-1)
 
 
-def check_layout(args: ModelArgs, layout: Layout, what: str = "devices of the mesh", batch: bool = True) -> None:
-    """Every dimension the layout splits must divide evenly into its parts (`what` names the
-    devices or ranks); fp8 weights into whole 128-blocks; with `batch`, the cache rows too."""
+def check_layout(args: ModelArgs, layout: Layout, what: str = "devices of the mesh") -> None:
+    """Every dimension of the weights the layout splits must divide evenly into its parts (`what`
+    names the devices or ranks); fp8 weights into whole 128-blocks. (Rows are padded instead:
+    `Layout.padded_batch`.)"""
     sizes = {"heads": ("n_heads", args.n_heads), "vocab_in": ("vocab_size", args.vocab_size),
              "vocab_out": ("vocab_size", args.vocab_size), "ffn": ("inter_dim", args.inter_dim)}
     if args.n_moe_layers:
@@ -229,8 +230,6 @@ def check_layout(args: ModelArgs, layout: Layout, what: str = "devices of the me
         sizes["expert_ffn"] = ("moe_inter_dim", args.moe_inter_dim)
         if args.n_shared_experts:
             sizes["shared_ffn"] = ("n_shared_experts * moe_inter_dim", args.n_shared_experts * args.moe_inter_dim)
-    if batch:
-        sizes["batch"] = ("max_batch_size", args.max_batch_size)
     for logical, (name, size) in sizes.items():
         parts = layout.size(logical)
         if size % parts:
@@ -255,7 +254,7 @@ def check_layout(args: ModelArgs, layout: Layout, what: str = "devices of the me
 def check_divisible(args: ModelArgs, parts: int, what: str = "devices of the mesh") -> None:
     """`check_layout` for today's split ("tp") over `parts` devices or ranks: what the reference's
     per-rank checkpoints (`dsv3-convert --model-parallel`) are cut by."""
-    check_layout(args, Layout.preset("tp", DEFAULT_AXES[1], (parts,)), what, batch=False)
+    check_layout(args, Layout.preset("tp", DEFAULT_AXES[1], (parts,)), what)
 
 
 def parameter_role(path: tuple[str, ...]) -> str:
