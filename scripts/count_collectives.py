@@ -38,22 +38,25 @@ def collective_counts(text: str) -> dict[str, int]:
     return {kind: found.get(kind, 0) for kind in KINDS}
 
 
-def step_counts(args: ModelArgs, layout: str, num_devices: int, batch: int) -> tuple[dict, dict]:
-    """(lowered, compiled) collective counts of one decode step of `batch` rows."""
+def step_counts(args: ModelArgs, layout: str, num_devices: int, batch: int, compiled: bool = True) -> tuple:
+    """(lowered, compiled) collective counts of one decode step of `batch` rows (compiled: only
+    when `compiled`)."""
     model = dsv3_jax.build(args, compute_dtype="float32", num_devices=num_devices, layout=layout, unroll=True)
     zeros = np.zeros((batch,), np.int32)
     lowered = model.step.lower(model.state, model.cache, np.zeros((batch, 1), np.int32), zeros, zeros, kv_len=64)
-    return collective_counts(lowered.as_text()), collective_counts(lowered.compile().as_text())
+    return (collective_counts(lowered.as_text()),) + ((collective_counts(lowered.compile().as_text()),)
+                                                      if compiled else ())
 
 
-def per_layer_counts(base: ModelArgs, layout: str, num_devices: int, batch: int) -> dict:
-    """{"lowered"|"compiled": {"dense layer"|"moe layer"|"step": {kind: count}}}."""
+def per_layer_counts(base: ModelArgs, layout: str, num_devices: int, batch: int, compiled: bool = True) -> dict:
+    """{"lowered"|"compiled": {"dense layer"|"moe layer"|"step": {kind: count}}} (no "compiled"
+    unless `compiled`)."""
     depths = {(1, 1): None, (2, 1): None, (1, 2): None}
     for dense, moe in depths:
         depths[dense, moe] = step_counts(base.replace(n_layers=dense + moe, n_dense_layers=dense), layout,
-                                         num_devices, batch)
+                                         num_devices, batch, compiled)
     out = {}
-    for which, stage in enumerate(("lowered", "compiled")):
+    for which, stage in enumerate(("lowered", "compiled")[:2 if compiled else 1]):
         one = depths[1, 1][which]
         dense = {k: depths[2, 1][which][k] - one[k] for k in KINDS}
         moe = {k: depths[1, 2][which][k] - one[k] for k in KINDS}
