@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from .cache import allocate_cache, cache_specs, cache_window
 from .checkpoint import CONFIG_HINT, ReferenceLayoutIndex, find_config, home_rank, load_state

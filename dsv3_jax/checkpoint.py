@@ -38,7 +38,8 @@ def load_state(index: TensorIndex, abstract_state: nnx.State, args: ModelArgs, m
     parameters over `mesh`) read by its own callback.
     progress: draw a bar of the bytes and tensors read (see `progress_bar`)."""
     check_tensors(index, args, naming, state=abstract_state)
-    spec_of = {tuple(str(p) for p in path): spec for path, spec in nnx.to_flat_state(partition_specs(abstract_state, layout))}
+    specs = nnx.to_flat_state(partition_specs(abstract_state, layout))
+    spec_of = {tuple(str(p) for p in path): spec for path, spec in specs}
     flat = list(nnx.to_flat_state(abstract_state))
     total = sum(variable.get_value().size * np.dtype(variable.get_value().dtype).itemsize for _, variable in flat)
     bar = progress_bar(total, desc="loading", unit="B", enabled=progress, unit_scale=True, unit_divisor=1024)

@@ -158,7 +158,8 @@ def restore_state(directory: str | Path, abstract_state: nnx.State, args: ModelA
     import orbax.checkpoint as ocp  # slow to import: see _streamed_array_handler
 
     stored = stored_arrays(directory)
-    specs = {tuple(str(p) for p in path): spec for path, spec in nnx.to_flat_state(partition_specs(abstract_state, layout))}
+    specs = {tuple(str(p) for p in path): spec
+             for path, spec in nnx.to_flat_state(partition_specs(abstract_state, layout))}
     item, restore_args, wanted = {}, {}, []
     for path, variable in nnx.to_flat_state(abstract_state):
         key = tuple(str(p) for p in path)

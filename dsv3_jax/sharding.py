@@ -238,7 +238,8 @@ def check_layout(args: ModelArgs, layout: Layout, what: str = "devices of the me
     if not args.quantized:
         return
     rows = [("heads", "n_heads * qk_head_dim", args.n_heads * args.qk_head_dim),
-            ("heads", "n_heads * (qk_nope_head_dim + v_head_dim)", args.n_heads * (args.qk_nope_head_dim + args.v_head_dim)),
+            ("heads", "n_heads * (qk_nope_head_dim + v_head_dim)",
+             args.n_heads * (args.qk_nope_head_dim + args.v_head_dim)),
             ("heads", "n_heads * v_head_dim", args.n_heads * args.v_head_dim), ("ffn", "inter_dim", args.inter_dim)]
     if args.n_moe_layers:
         rows.append(("expert_ffn", "moe_inter_dim", args.moe_inter_dim))

@@ -64,7 +64,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=32, help="rows of the cache")
     parser.add_argument("--seq-len", type=int, default=4096, help="positions of the cache")
     parser.add_argument("--prefill-chunk", type=int, default=4096, help="tokens per row per prefill call")
-    parser.add_argument("--device-gib", type=float, default=143771 / 1024, help="memory of one device (H200: 143771 MiB)")
+    parser.add_argument("--device-gib", type=float, default=143771 / 1024,
+                        help="memory of one device (H200: 143771 MiB)")
     parser.add_argument("--out", help="write the plan as markdown here")
     opts = parser.parse_args(argv)
     for flag in ("devices", "batch", "seq_len", "prefill_chunk"):
@@ -92,8 +93,8 @@ def main(argv=None) -> None:
         lines.append(f"| {item} | " + " | ".join(f"{p.get(item, 0.0) / GIB:.2f}" for p in plans) + " |")
     lines += ["| **total (all activations live at once: an upper bound)** | "
               + " | ".join(f"**{t / GIB:.1f}**" for t in totals) + " |",
-              f"| headroom of {opts.device_gib:.1f} GiB | " + " | ".join(f"{opts.device_gib - t / GIB:.1f}" for t in totals)
-              + " |", "",
+              f"| headroom of {opts.device_gib:.1f} GiB | "
+              + " | ".join(f"{opts.device_gib - t / GIB:.1f}" for t in totals) + " |", "",
               f"A prefill chunk of {opts.prefill_chunk} tokens per row for all {opts.batch} rows needs the "
               "attention-score buffer above; XLA frees activations layer by layer, so the live set is one layer's, "
               "as counted."]

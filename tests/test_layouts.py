@@ -79,12 +79,14 @@ def test_layouts_split_what_they_say(v3):
 
 def test_presets_rules():
     dp = Layout.preset("dp-attn", ("model",), (2,))
-    assert (dp.axes("batch"), dp.axes("heads"), dp.axes("experts"), dp.axes("vocab_out")) == (("model",), (), ("model",), ())
+    assert (dp.axes("batch"), dp.axes("heads"), dp.axes("experts"), dp.axes("vocab_out")) == (
+        ("model",), (), ("model",), ())
     assert dp.reduction("experts") == (("model",), ())
     tp = Layout.preset("tp", ("data", "model"), (2, 4))
     assert (tp.axes("batch"), tp.axes("heads"), tp.axes("experts")) == (("data",), ("model",), ("data", "model"))
     assert tp.reduction("experts") == (("data",), ("model",))
-    assert tp.spec("layers", "experts", "expert_ffn", "embed") == jax.sharding.PartitionSpec(None, ("data", "model"), None, None)
+    assert tp.spec("layers", "experts", "expert_ffn", "embed") == jax.sharding.PartitionSpec(
+        None, ("data", "model"), None, None)
     one = Layout.preset("tp", ("model",), (1,))
     assert all(axes == () for _, axes in one.rules)  # one device: no collective
     assert dp.padded_batch(3) == 4 and list(dp.row_order(4)) == [0, 2, 1, 3]
