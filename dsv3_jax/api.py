@@ -38,17 +38,19 @@ def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, 
     int32, the chunk index whose logits are returned (float32, (B, vocab)). The cache (argument 1)
     is donated and comes back updated at positions [start_pos, start_pos + S) of rows [0, B);
     attention reads cache positions [0, kv_len), a static bound that must cover every row's end.
-    When the layout splits the batch, B is padded to a multiple of its parts (the padding rows
-    write cache rows [B, padded), no other row's) and the rows are dealt out by `Layout.row_order`.
+    When the layout splits the batch, B is padded to a multiple of its parts and the rows are dealt
+    out by `Layout.row_order`; padding rows sit past the cache's end (their cache writes are
+    dropped) and send no token to the routed experts (`StepContext.valid`).
     """
     inv_freq = inverse_frequencies(args)
     c_specs = cache_specs(options.attn_impl, layout)
     rows = layout.spec("batch")
 
-    def local_step(state, cache, tokens, positions, last_index, kv_len):
+    def local_step(state, cache, tokens, positions, last_index, valid, kv_len, padded):
         model = nnx.merge(graphdef, state)
         cos, sin = rotary_angles(positions, inv_freq, args.rope_attention_factor)
-        ctx = StepContext(positions, cos, sin, kv_len, options, args.scale_fmt, layout=layout)
+        ctx = StepContext(positions, cos, sin, kv_len, options, args.scale_fmt, layout=layout,
+                          valid=valid if padded else None)
         with options.precision_scope():  # float32: full-precision dots (no TF32)
             return model(tokens, ctx, cache, last_index)
 
@@ -56,15 +58,20 @@ def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, 
         positions = start_pos[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         batch = tokens.shape[0]
         split = layout.size("batch") > 1
+        padded = layout.padded_batch(batch)
+        valid = jnp.arange(padded) < batch
         if split:
-            padded = layout.padded_batch(batch)
             order = layout.row_order(padded)
-            deal = lambda a: jnp.pad(a, [(0, padded - batch)] + [(0, 0)] * (a.ndim - 1))[order]  # noqa: E731
-            tokens, positions, last_index = deal(tokens), deal(positions), deal(last_index)
-        sharded = jax.shard_map(functools.partial(local_step, kv_len=kv_len), mesh=mesh,
-                                in_specs=(state_specs, c_specs, rows, rows, rows), out_specs=(rows, c_specs),
+            end = next(iter(cache.values())).shape[2]  # padding rows' positions: past the cache
+
+            def deal(a, fill=0):
+                return jnp.pad(a, [(0, padded - batch)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)[order]
+
+            tokens, positions, last_index, valid = deal(tokens), deal(positions, end), deal(last_index), valid[order]
+        sharded = jax.shard_map(functools.partial(local_step, kv_len=kv_len, padded=padded != batch), mesh=mesh,
+                                in_specs=(state_specs, c_specs, rows, rows, rows, rows), out_specs=(rows, c_specs),
                                 check_vma=False)
-        logits, cache = sharded(state, cache, tokens, positions, last_index)
+        logits, cache = sharded(state, cache, tokens, positions, last_index, valid)
         if split:
             logits = logits[np.argsort(order)[:batch]]
         return logits, cache

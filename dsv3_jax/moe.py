@@ -256,9 +256,16 @@ class MoE(nnx.Module):
         shape = x.shape
         local = x.reshape(-1, shape[-1])
         gathered, summed = layout.reduction("experts", "expert_ffn")
-        flat = layout.gather_rows(local, gathered)
+        valid = None if ctx.valid is None else jnp.repeat(ctx.valid, shape[1])  # per token
+        if valid is not None and gathered:  # the padding flags travel with the rows, in one gather
+            both = layout.gather_rows(jnp.concatenate([local, valid[:, None].astype(local.dtype)], -1), gathered)
+            flat, valid = both[:, :-1], both[:, -1] > 0
+        else:
+            flat = layout.gather_rows(local, gathered)
         with jax.named_scope("gate"):
             weights, indices = self.gate(flat)
+        if valid is not None:  # padding rows' tokens go to no expert (no rank reads an expert for them)
+            indices = jnp.where(valid[:, None], indices, -1)
         with jax.named_scope("routed_experts"):
             y = self.experts(flat, weights, indices, ctx, stack_index)
         shared_joins = self.shared_experts is not None and layout.reduction("shared_ffn") == (gathered, summed)

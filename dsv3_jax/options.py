@@ -119,6 +119,7 @@ class StepContext:
     scale_fmt: str | None = None  # ModelArgs.scale_fmt: None or "ue8m0"
     kv_start: int = 0  # attention reads cache positions [kv_start, kv_len) (the MTP block: 1)
     layout: Layout = Layout()  # how the step is split (the default: not at all, no collective)
+    valid: jnp.ndarray | None = None  # (B,) bool: False for the padding rows of a batch split (None: none)
 
     @property
     def gemm(self) -> dict:
