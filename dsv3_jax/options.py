@@ -41,9 +41,9 @@ class RunOptions:
     decode_attn: str = _choice("xla", ("xla", "kernel"),
                                "absorbed attention of single-token steps: XLA einsums or the Pallas kernel")
     layout: str = _choice("tp", tuple(PRESETS),
-                          "how the model is split over the devices (see dsv3_jax.sharding): tp (attention "
-                          "tensor-parallel), dp-attn (attention and cache split by batch), rep-attn "
-                          "(attention replicated), ep-only (only the routed experts split)")
+                          "how the model is split over the devices, a preset of dsv3_jax.sharding.PRESETS: "
+                          "attention tensor-parallel (tp), split by batch rows with its cache (dp-attn, "
+                          "dp-attn-tp) or replicated (rep-attn, ep-only)")
     unroll: bool = dataclasses.field(default=False, metadata={"help": "unroll the layer scans (longer compile, "
                                                                      "no loop between layers)"})
 

@@ -58,6 +58,9 @@ PRESETS = {
     # attention and its cache split by batch; only the routed experts split (a gather and a
     # reduce-scatter around each MoE layer, nothing around attention or the dense layers)
     "dp-attn": dict(attention="dp", experts="ep", mlp="replicated", head="replicated"),
+    # attention as "dp-attn", the rest split as "tp" (less memory than "dp-attn"; each split layer
+    # gathers the rows and reduce-scatters its output, the embedding and head once per step)
+    "dp-attn-tp": dict(attention="dp", experts="ep", mlp="tp", head="tp"),
     # attention replicated (no collective), the rest as "tp": one psum per layer
     "rep-attn": dict(attention="replicated", experts="ep", mlp="tp", head="tp"),
     # only the routed experts split: one psum per MoE layer and none elsewhere

@@ -8,13 +8,14 @@
 # Layouts (dsv3_jax/sharding.py PRESETS; per-GPU memory in benchmarks/memory-plan-671B-8xH200-layouts.md):
 #   tp       attention TP over heads, routed experts EP, dense MLP / shared experts / vocab TP
 #   dp-attn  attention and its cache split by batch rows; only the routed experts split
+#   dp-attn-tp  attention as dp-attn, the rest split as tp
 #   rep-attn attention replicated, the rest as tp
 #   ep-only  only the routed experts split (one collective per MoE layer)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
 LAYOUT=${LAYOUT:-tp}
-LAYOUTS=${LAYOUTS:-tp,dp-attn,rep-attn,ep-only}
+LAYOUTS=${LAYOUTS:-tp,dp-attn,dp-attn-tp,rep-attn,ep-only}
 GPUS=${GPUS:-8}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 

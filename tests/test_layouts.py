@@ -110,6 +110,7 @@ def test_collectives_per_layer():
     expected = {  # layout: (per dense layer, per MoE layer), as {kind: count}
         "tp": ({"all-reduce": 2}, {"all-reduce": 2}),
         "dp-attn": ({}, {"all-gather": 1, "reduce-scatter": 1}),
+        "dp-attn-tp": ({"all-gather": 1, "reduce-scatter": 1}, {"all-gather": 1, "reduce-scatter": 1}),
         "rep-attn": ({"all-reduce": 1}, {"all-reduce": 1}),
         "ep-only": ({}, {"all-reduce": 1}),
     }
