@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from .cache import allocate_cache, cache_specs, cache_window
 from .checkpoint import CONFIG_HINT, ReferenceLayoutIndex, find_config, home_rank, load_state
@@ -26,33 +26,55 @@ from .orbax_io import OrbaxMTPIndex, has_array, is_orbax_checkpoint, restore_sta
 from .rope import inverse_frequencies, rotary_angles
 from .safetensors_io import CheckpointError, TensorIndex
 from .schema import MTP_STATE, hf_name, mtp_probe, rank_files, with_gate_bias
-from .sharding import check_divisible, make_mesh, named_shardings, partition_specs
+from .sharding import Layout, check_layout, make_mesh, named_shardings, partition_specs
 from .speculative import generate_mtp, make_mtp_steps
 
 
-def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, options: RunOptions):
+def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, options: RunOptions,
+              layout: Layout):
     """The jitted forward step `(state, cache, tokens, start_pos, last_index, *, kv_len) -> (logits, cache)`.
 
     tokens (B, S) int32; start_pos (B,) int32, each row's position of tokens[:, 0]; last_index (B,)
     int32, the chunk index whose logits are returned (float32, (B, vocab)). The cache (argument 1)
     is donated and comes back updated at positions [start_pos, start_pos + S) of rows [0, B);
     attention reads cache positions [0, kv_len), a static bound that must cover every row's end.
+    When the layout splits the batch, B is padded to a multiple of its parts and the rows are dealt
+    out by `Layout.row_order`; padding rows sit past the cache's end (their cache writes are
+    dropped) and send no token to the routed experts (`StepContext.valid`).
     """
     inv_freq = inverse_frequencies(args)
-    c_specs = cache_specs(options.attn_impl)
+    c_specs = cache_specs(options.attn_impl, layout)
+    rows = layout.spec("batch")
 
-    def local_step(state, cache, tokens, positions, last_index, kv_len):
+    def local_step(state, cache, tokens, positions, last_index, valid, kv_len, padded):
         model = nnx.merge(graphdef, state)
         cos, sin = rotary_angles(positions, inv_freq, args.rope_attention_factor)
+        ctx = StepContext(positions, cos, sin, kv_len, options, args.scale_fmt, layout=layout,
+                          valid=valid if padded else None)
         with options.precision_scope():  # float32: full-precision dots (no TF32)
-            return model(tokens, StepContext(positions, cos, sin, kv_len, options, args.scale_fmt), cache, last_index)
+            return model(tokens, ctx, cache, last_index)
 
     def step(state, cache, tokens, start_pos, last_index, *, kv_len: int):
         positions = start_pos[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        sharded = jax.shard_map(functools.partial(local_step, kv_len=kv_len), mesh=mesh,
-                                in_specs=(state_specs, c_specs, P(), P(), P()), out_specs=(P(), c_specs),
+        batch = tokens.shape[0]
+        split = layout.size("batch") > 1
+        padded = layout.padded_batch(batch)
+        valid = jnp.arange(padded) < batch
+        if split:
+            order = layout.row_order(padded)
+            end = next(iter(cache.values())).shape[2]  # padding rows' positions: past the cache
+
+            def deal(a, fill=0):
+                return jnp.pad(a, [(0, padded - batch)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)[order]
+
+            tokens, positions, last_index, valid = deal(tokens), deal(positions, end), deal(last_index), valid[order]
+        sharded = jax.shard_map(functools.partial(local_step, kv_len=kv_len, padded=padded != batch), mesh=mesh,
+                                in_specs=(state_specs, c_specs, rows, rows, rows, rows), out_specs=(rows, c_specs),
                                 check_vma=False)
-        return sharded(state, cache, tokens, positions, last_index)
+        logits, cache = sharded(state, cache, tokens, positions, last_index, valid)
+        if split:
+            logits = logits[np.argsort(order)[:batch]]
+        return logits, cache
 
     return jax.jit(step, static_argnames=("kv_len",), donate_argnums=(1,))
 
@@ -62,10 +84,14 @@ class Model:
 
     def __init__(self, args: ModelArgs, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh,
                  options: RunOptions = RunOptions()):
-        self.args, self.graphdef, self.state, self.mesh, self.options = args, graphdef, state, mesh, options
+        """`state` is placed as `options.layout` splits it on `mesh` (no copy where it already is)."""
+        self.args, self.graphdef, self.mesh, self.options = args, graphdef, mesh, options
+        self.layout = model_layout(args, options, mesh)
+        specs = partition_specs(state, self.layout)
+        self.state = jax.device_put(state, named_shardings(mesh, specs))
         self.has_mtp = MTP_STATE in state
-        self.step = make_step(graphdef, partition_specs(state), args, mesh, options)
-        self.cache = allocate_cache(args, options.attn_impl, mesh, options.jnp_dtype, mtp=self.has_mtp)
+        self.step = make_step(graphdef, specs, args, mesh, options, self.layout)
+        self.cache = allocate_cache(args, options.attn_impl, mesh, self.layout, options.jnp_dtype, mtp=self.has_mtp)
         self._mtp_steps = None
 
     @property
@@ -73,9 +99,12 @@ class Model:
         """The jitted MTP prefill and speculative step (`speculative.make_mtp_steps`), made on first use."""
         if not self.has_mtp:
             raise ValueError("this model has no MTP module: load it with mtp=True (or build(..., mtp=True))")
+        if self.layout.size("batch") > 1:
+            raise ValueError(f"MTP speculative decoding needs a layout that does not split the batch, not "
+                             f"{self.layout.name!r}")
         if self._mtp_steps is None:
-            self._mtp_steps = make_mtp_steps(self.graphdef, partition_specs(self.state), self.args, self.mesh,
-                                             self.options)
+            self._mtp_steps = make_mtp_steps(self.graphdef, partition_specs(self.state, self.layout), self.args,
+                                             self.mesh, self.options, self.layout)
         return self._mtp_steps
 
     def forward(self, tokens, start_pos=0) -> jax.Array:
@@ -137,9 +166,14 @@ def _run_options(options: RunOptions | None, dtype: str | None, choices: dict) -
 
 
 def _mesh_for(args: ModelArgs, num_devices: int, mesh: Mesh | None) -> Mesh:
-    mesh = mesh if mesh is not None else make_mesh(num_devices)
-    check_divisible(args, mesh.devices.size)
-    return mesh
+    return mesh if mesh is not None else make_mesh(num_devices)
+
+
+def model_layout(args: ModelArgs, options: RunOptions, mesh: Mesh) -> Layout:
+    """The layout `options.layout` names on `mesh`, checked against the model's dimensions."""
+    layout = Layout.for_mesh(options.layout, mesh)
+    check_layout(args, layout)
+    return layout
 
 
 def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh: Mesh | None = None,
@@ -152,7 +186,9 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
     `config` is required), or an orbax checkpoint (`dsv3-to-orbax`).
     config: None (read `config.json`), a path to a reference or HF JSON, or a `ModelArgs`.
     options / choices: the `RunOptions`, or any of its fields as keywords (compute_dtype="float32",
-    attn_impl=..., gemm_impl=..., moe_impl=..., decode_attn=..., unroll=...).
+    attn_impl=..., gemm_impl=..., moe_impl=..., decode_attn=..., layout=..., unroll=...); `layout`
+    names how the model is split over the mesh (`dsv3_jax.sharding.PRESETS`: "tp", "dp-attn",
+    "rep-attn", "ep-only"), and loading reads each device's shard for that split.
     progress: a bar of the bytes and tensors read (process 0 only); None: when stderr is a terminal.
     mtp: also load the multi-token-prediction module (layer num_hidden_layers), for
     `generate(..., mtp=True)`; without it no MTP tensor is read.
@@ -173,20 +209,21 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
         args = ModelArgs.from_file(config)
     args = args.replace(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
     mesh = _mesh_for(args, num_devices, mesh)
+    layout = model_layout(args, options, mesh)
     if is_orbax_checkpoint(path):
         args = with_gate_bias(args, lambda name: has_array(path, ("moe_layers", "ffn", "gate", "bias")))
         graphdef, abstract_state = _abstract(args, options, mtp=mtp)
         main, mtp_part = _split_mtp(abstract_state)
         # orbax restores the whole state in one call: the bar can only say when it is done
         with progress_bar(1, desc="restoring orbax state", unit="checkpoint", enabled=progress) as bar:
-            state = restore_state(path, main, args, mesh)
+            state = restore_state(path, main, args, mesh, layout)
             bar.update(1)
         if mtp:
             index = OrbaxMTPIndex(path, args)
             if hf_name(mtp_probe(args)) not in index:
                 raise CheckpointError(f"{path} holds no MTP layer (no {mtp_probe(args)!r} under 'mtp'): "
                                       "load it without mtp=True")
-            state = _join(state, load_state(index, mtp_part, args, mesh, hf_name, progress=progress))
+            state = _join(state, load_state(index, mtp_part, args, mesh, layout, hf_name, progress=progress))
     else:
         if ranked:
             index, naming = ReferenceLayoutIndex(path, args.n_routed_experts, home_rank(mesh, len(ranked))), str
@@ -197,7 +234,7 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
             raise CheckpointError(f"{path} holds no MTP layer (no tensor {naming(mtp_probe(args))!r}): "
                                   "load it without mtp=True")
         graphdef, abstract_state = _abstract(args, options, mtp=mtp)
-        state = load_state(index, abstract_state, args, mesh, naming, progress=progress)
+        state = load_state(index, abstract_state, args, mesh, layout, naming, progress=progress)
     return Model(args, graphdef, state, mesh, options)
 
 
@@ -228,7 +265,7 @@ def build(args: ModelArgs, *, seed: int = 0, options: RunOptions | None = None, 
         args = args.replace(gate_bias=args.score_func == "sigmoid")
     mesh = _mesh_for(args, num_devices, mesh)
     graphdef, abstract_state = _abstract(args, options, seed, mtp=mtp)
-    shardings = named_shardings(mesh, partition_specs(abstract_state))
+    shardings = named_shardings(mesh, partition_specs(abstract_state, model_layout(args, options, mesh)))
     make = jax.jit(lambda: nnx.split(Transformer(args, param_dtype=options.jnp_dtype, rngs=nnx.Rngs(seed),
                                                  mtp=mtp))[1],
                    out_shardings=shardings)

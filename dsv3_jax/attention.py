@@ -3,7 +3,8 @@
 Two ways to run it, as in the reference: "naive" expands the latent into per-head keys and values
 and caches those; "absorb" (default) folds `wkv_b` into the query and the output and caches only
 the normalised latent and the shared rotary key, which is what makes decoding cheap.
-Heads are split over the mesh (wq/wq_b/wkv_b column-parallel, wo row-parallel).
+The layout splits the heads ("heads": wq/wq_b/wkv_b by output, wo by input, psummed) or the
+rows (the cache and the step's rows split by batch, weights replicated), or neither.
 """
 from __future__ import annotations
 
@@ -73,18 +74,20 @@ class MLA(nnx.Module):
         qk_dim, heads = args.qk_head_dim, args.n_heads
         common = dict(stack=stack, param_dtype=param_dtype, fp8=args.quantized, rngs=rngs)
         if args.q_lora_rank == 0:
-            self.wq = Linear(args.dim, heads * qk_dim, parallel="column", **common)
+            self.wq = Linear(args.dim, heads * qk_dim, axes=("heads", "embed"), **common)
         else:
-            self.wq_a = Linear(args.dim, args.q_lora_rank, **common)
-            self.q_norm = RMSNorm(args.q_lora_rank, stack=stack)
-            self.wq_b = Linear(args.q_lora_rank, heads * qk_dim, parallel="column", **common)
-        self.wkv_a = Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, **common)
-        self.kv_norm = RMSNorm(args.kv_lora_rank, stack=stack)
-        self.wkv_b = Linear(args.kv_lora_rank, heads * (self.nope_dim + self.v_dim), parallel="column", **common)
-        self.wo = Linear(heads * self.v_dim, args.dim, parallel="row", **common)
+            self.wq_a = Linear(args.dim, args.q_lora_rank, axes=("q_lora", "embed"), **common)
+            self.q_norm = RMSNorm(args.q_lora_rank, stack=stack, axis="q_lora")
+            self.wq_b = Linear(args.q_lora_rank, heads * qk_dim, axes=("heads", "q_lora"), **common)
+        self.wkv_a = Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, axes=("kv_lora", "embed"), **common)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, stack=stack, axis="kv_lora")
+        self.wkv_b = Linear(args.kv_lora_rank, heads * (self.nope_dim + self.v_dim), axes=("heads", "kv_lora"),
+                            **common)
+        self.wo = Linear(heads * self.v_dim, args.dim, axes=("embed", "heads"), **common)
 
     def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict | None, layer) -> tuple[jnp.ndarray, dict]:
-        """x (B, S, dim) -> (attention output (B, S, dim), summed over ranks; this chunk's cache entries).
+        """x (B, S, dim) -> (attention output (B, S, dim), summed over the heads' ranks; this chunk's
+        cache entries). B is this device's rows (the cache's, when the layout splits the batch).
 
         `cache` None: no cache, the chunk attends to itself (a full-sequence pass; `kv_len` unused).
         `cache` is read, not written: attention sees its window with this chunk's entries put in
@@ -139,7 +142,7 @@ class MLA(nnx.Module):
                 probs = _softmax(scores, visible).astype(x.dtype)
                 out_latent = _einsum("bsht,btc->bshc", probs, latents).astype(x.dtype)
             out = _einsum("bshc,hdc->bshd", out_latent, wkv_b[:, self.nope_dim:]).astype(x.dtype)
-        return self.wo(out.reshape(batch, seq, -1), reduce=True, **gemm), entries
+        return self.wo(out.reshape(batch, seq, -1), reduce=ctx.layout.axes("heads"), **gemm), entries
 
 
 def decode_kernel(decode_attn: str) -> bool:

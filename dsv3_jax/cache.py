@@ -1,7 +1,10 @@
 """The attention cache: one stacked pytree for all layers, allocated on the mesh.
 
-absorb: kv (L, B, T, kv_lora_rank) and pe (L, B, T, rope_dim), the same on every rank.
-naive:  k (L, B, T, H, qk_head_dim) and v (L, B, T, H, v_head_dim), heads split over ranks.
+absorb: kv (L, B, T, kv_lora_rank) and pe (L, B, T, rope_dim);
+naive:  k (L, B, T, H, qk_head_dim) and v (L, B, T, H, v_head_dim);
+rows split as the layout splits "batch", heads as it splits "heads" (`cache_specs`). With a
+batch split, a step's row i lives in cache row (i % parts) * (B / parts) + i // parts
+(`Layout.row_order`): the cache's rows are an internal order, read only by the steps.
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ModelArgs
-from .layers import MODEL_AXIS
+from .sharding import Layout
 
 
 def cache_window(end: int, max_seq_len: int) -> int:
@@ -30,18 +33,23 @@ def cache_shapes(args: ModelArgs, attn_impl: str, batch: int, length: int,
     return {"kv": (layers, batch, length, args.kv_lora_rank), "pe": (layers, batch, length, args.qk_rope_head_dim)}
 
 
-def cache_specs(attn_impl: str) -> dict[str, P]:
+def cache_specs(attn_impl: str, layout: Layout) -> dict[str, P]:
+    """The PartitionSpec of each cache array under `layout`."""
     if attn_impl == "naive":
-        return {"k": P(None, None, None, MODEL_AXIS, None), "v": P(None, None, None, MODEL_AXIS, None)}
-    return {"kv": P(), "pe": P()}
+        spec = layout.spec("layers", "batch", None, "heads", None)
+        return {"k": spec, "v": spec}
+    spec = layout.spec("layers", "batch", None, "kv_lora")
+    return {"kv": spec, "pe": spec}
 
 
-def allocate_cache(args: ModelArgs, attn_impl: str, mesh: Mesh, dtype, batch: int | None = None,
+def allocate_cache(args: ModelArgs, attn_impl: str, mesh: Mesh, layout: Layout, dtype, batch: int | None = None,
                    length: int | None = None, mtp: bool = False) -> dict[str, jax.Array]:
-    """A zeroed cache for (batch, length), default (max_batch_size, max_seq_len), placed on the mesh;
-    with `mtp`, one more layer (index n_layers) for the MTP block."""
-    shapes = cache_shapes(args, attn_impl, batch or args.max_batch_size, length or args.max_seq_len, mtp)
-    specs = cache_specs(attn_impl)
+    """A zeroed cache for (batch, length), default (max_batch_size, max_seq_len), placed on the mesh
+    as `layout` splits it; with `mtp`, one more layer (index n_layers) for the MTP block. Its rows
+    are rounded up to a multiple of the parts the layout splits the batch into."""
+    rows = layout.padded_batch(batch or args.max_batch_size)
+    shapes = cache_shapes(args, attn_impl, rows, length or args.max_seq_len, mtp)
+    specs = cache_specs(attn_impl, layout)
     shardings = {name: NamedSharding(mesh, specs[name]) for name in shapes}
     make = jax.jit(lambda: {name: jnp.zeros(shape, dtype) for name, shape in shapes.items()},
                    out_shardings=shardings)

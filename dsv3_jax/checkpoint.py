@@ -21,7 +21,7 @@ from .progress import progress_bar
 from .safetensors_io import CheckpointError, SafetensorsFile, TensorIndex
 from .schema import HF_CONFIG, check_tensors, hf_name, rank_files, reference_names, routed_expert, split_dim, \
     stacked_axes
-from .sharding import partition_specs
+from .sharding import Layout, partition_specs
 
 
 def _read_block(index: TensorIndex, name: str, window: tuple[slice, ...], dtype) -> np.ndarray:
@@ -32,12 +32,14 @@ def _read_block(index: TensorIndex, name: str, window: tuple[slice, ...], dtype)
     return np.asarray(tensor[window]).astype(dtype, copy=False)
 
 
-def load_state(index: TensorIndex, abstract_state: nnx.State, args: ModelArgs, mesh: Mesh,
+def load_state(index: TensorIndex, abstract_state: nnx.State, args: ModelArgs, mesh: Mesh, layout: Layout,
                naming: Callable[[str], str] = hf_name, progress: bool | None = None) -> nnx.State:
-    """Fill the abstract state from the checkpoint: each device's shard read by its own callback.
+    """Fill the abstract state from the checkpoint: each device's shard (as `layout` splits the
+    parameters over `mesh`) read by its own callback.
     progress: draw a bar of the bytes and tensors read (see `progress_bar`)."""
     check_tensors(index, args, naming, state=abstract_state)
-    spec_of = {tuple(str(p) for p in path): spec for path, spec in nnx.to_flat_state(partition_specs(abstract_state))}
+    specs = nnx.to_flat_state(partition_specs(abstract_state, layout))
+    spec_of = {tuple(str(p) for p in path): spec for path, spec in specs}
     flat = list(nnx.to_flat_state(abstract_state))
     total = sum(variable.get_value().size * np.dtype(variable.get_value().dtype).itemsize for _, variable in flat)
     bar = progress_bar(total, desc="loading", unit="B", enabled=progress, unit_scale=True, unit_divisor=1024)

@@ -1,8 +1,9 @@
 """Building blocks: Linear (high-precision or block-scaled fp8 weight), RMSNorm, vocab-parallel embedding.
 
 Every module is written for the local shard it sees inside `jax.shard_map`: sizes come from its
-arrays, never from the config, and the collectives name the mesh axis `MODEL_AXIS`.
-Parameters carry their partition spec (over the global array) as the Variable metadata `partition`.
+arrays, never from the config, and the collectives name the mesh axes the step's `Layout` gives.
+Parameters carry their logical axes (`sharding.LOGICAL_AXES`, one per array axis, None for an axis
+never split) as the Variable metadata `partition`; the layout maps them to mesh axes.
 """
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ from flax import nnx
 
 from pallas_kernels import FP8_BLOCK, FP8_DTYPE, act_quant, cdiv, fp8_gemm, weight_dequant
 
-MODEL_AXIS = "mp"  # the mesh axis over which heads, hidden units, experts and vocabulary are split
+from .sharding import LOGICAL_AXES, Layout
 
 
 def param(value, partition) -> nnx.Param:
-    """A parameter with its partition spec (a tuple, one entry per axis: None or MODEL_AXIS)."""
+    """A parameter with its logical axes (a tuple, one entry per axis: a `LOGICAL_AXES` name or None)."""
     if len(partition) != value.ndim:
         raise ValueError(f"partition {partition} does not match a parameter of shape {value.shape}")
+    unknown = [name for name in partition if name is not None and name not in LOGICAL_AXES]
+    if unknown:
+        raise ValueError(f"unknown logical axis {unknown[0]!r}; the logical axes are {', '.join(LOGICAL_AXES)}")
     return nnx.Param(value, partition=tuple(partition))
 
 
@@ -43,20 +47,20 @@ def init_fp8(rngs: nnx.Rngs | None, shape):
 class Linear(nnx.Module):
     """y = x W^T with W (out, in), optionally stacked (leading layer / expert axes).
 
-    `parallel` is "column" (out split over the mesh), "row" (in split; the caller's psum, or
-    `reduce=True`, completes it) or None (replicated). With `fp8=True` the weight is float8_e4m3fn
+    `axes` names the logical axes of (out, in) (None: never split), `stack_axes` those of the
+    stack. When the layout splits `in`, y is partial: the caller's psum, or `reduce` (the mesh
+    axes to sum over, in float32), completes it. With `fp8=True` the weight is float8_e4m3fn
     and `scale` holds one float32 per 128x128 block; `gemm_impl` then picks between dequantising
     the weight (`"bf16"`) and quantising the activations for the scaled fp8 GEMM (`"fp8"`).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, parallel: str | None = None,
-                 stack: tuple[int, ...] = (), stack_partition: tuple = (), param_dtype=jnp.bfloat16,
+    def __init__(self, in_features: int, out_features: int, *, axes: tuple = (None, None),
+                 stack: tuple[int, ...] = (), stack_axes: tuple = (), param_dtype=jnp.bfloat16,
                  fp8: bool = False, rngs: nnx.Rngs | None = None):
-        stack_partition = tuple(stack_partition) or (None,) * len(stack)
-        split = {"column": (MODEL_AXIS, None), "row": (None, MODEL_AXIS), None: (None, None)}[parallel]
+        stack_partition = tuple(stack_axes) or ("layers",) * len(stack)
+        split = tuple(axes)
         shape = (*stack, out_features, in_features)
         std = 1.0 / math.sqrt(in_features)
-        self.parallel = parallel
         if fp8:
             self.weight = param(init_fp8(rngs, shape), stack_partition + split)
             scale_shape = (*stack, cdiv(out_features, FP8_BLOCK), cdiv(in_features, FP8_BLOCK))
@@ -72,7 +76,7 @@ class Linear(nnx.Module):
         return weight_dequant(self.weight[...], self.scale[...], block_size=FP8_BLOCK, out_dtype=dtype)
 
     def __call__(self, x: jnp.ndarray, *, gemm_impl: str = "bf16", scale_fmt: str | None = None,
-                 reduce: bool = False, out_dtype=None) -> jnp.ndarray:
+                 reduce: tuple[str, ...] = (), out_dtype=None) -> jnp.ndarray:
         if self.scale is not None and gemm_impl == "fp8":
             xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
             y = fp8_gemm(xq, xs, self.weight[...], self.scale[...], out_dtype=jnp.float32)
@@ -80,16 +84,16 @@ class Linear(nnx.Module):
             w = self.dequantized(x.dtype)
             y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         if reduce:
-            y = jax.lax.psum(y, MODEL_AXIS)
+            y = jax.lax.psum(y, reduce)
         return y.astype(out_dtype or x.dtype)
 
 
 class RMSNorm(nnx.Module):
     """x * rsqrt(mean(x^2) + eps) * weight, computed in float32."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, stack: tuple[int, ...] = ()):
+    def __init__(self, dim: int, eps: float = 1e-6, *, stack: tuple[int, ...] = (), axis: str = "embed"):
         self.eps = eps
-        self.weight = param(jnp.ones((*stack, dim), jnp.float32), (None,) * (len(stack) + 1))
+        self.weight = param(jnp.ones((*stack, dim), jnp.float32), ("layers",) * len(stack) + (axis,))
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         xf = x.astype(jnp.float32)
@@ -98,20 +102,22 @@ class RMSNorm(nnx.Module):
 
 
 class ParallelEmbedding(nnx.Module):
-    """Vocabulary-parallel embedding: each rank holds a contiguous range of rows.
+    """Vocabulary-parallel embedding: each rank holds a contiguous range of rows ("vocab_in").
 
-    Ids outside the local range look up row 0 and are zeroed; the psum over ranks assembles
-    the full embedding.
+    Ids outside the local range look up row 0 and are zeroed; a sum over the ranks assembles
+    the full embedding (when the batch is split over the same devices, the token ids are gathered
+    first and the sum reduce-scattered back: `Layout.reduction`).
     """
 
     def __init__(self, vocab_size: int, dim: int, *, param_dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
-        self.weight = param(init_normal(rngs, (vocab_size, dim), param_dtype, 1.0), (MODEL_AXIS, None))
+        self.weight = param(init_normal(rngs, (vocab_size, dim), param_dtype, 1.0), ("vocab_in", "embed"))
 
-    def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, tokens: jnp.ndarray, layout: Layout) -> jnp.ndarray:
+        gathered, summed = layout.reduction("vocab_in")
+        tokens = layout.gather_rows(tokens, gathered)
         local_rows = self.weight.shape[0]
-        start = jax.lax.axis_index(MODEL_AXIS) * local_rows
-        local_ids = tokens - start
+        local_ids = tokens - layout.index("vocab_in") * local_rows
         outside = (local_ids < 0) | (local_ids >= local_rows)
         rows = jnp.take(self.weight[...], jnp.where(outside, 0, local_ids), axis=0)
         rows = jnp.where(outside[..., None], jnp.zeros((), rows.dtype), rows)
-        return jax.lax.psum(rows, MODEL_AXIS)
+        return layout.reduce_rows(rows, gathered, summed)

@@ -13,9 +13,10 @@ from flax import nnx
 
 from .attention import MLA, write_cache, write_layer_cache
 from .config import ModelArgs
-from .layers import MODEL_AXIS, Linear, ParallelEmbedding, RMSNorm
+from .layers import Linear, ParallelEmbedding, RMSNorm
 from .moe import MLP, MoE
 from .options import StepContext
+from .sharding import Layout
 
 
 class Block(nnx.Module):
@@ -79,7 +80,7 @@ class Transformer(nnx.Module):
         self.moe_layers = Block(args, moe=True, stack=(args.n_moe_layers,), **common) if args.n_moe_layers else None
         self.n_dense_layers = args.n_dense_layers
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.head = Linear(args.dim, args.vocab_size, parallel="column", param_dtype=param_dtype, rngs=rngs)
+        self.head = Linear(args.dim, args.vocab_size, axes=("vocab_out", "embed"), param_dtype=param_dtype, rngs=rngs)
         if mtp:  # the multi-token-prediction module (layer n_layers of the checkpoint and of the cache)
             from .mtp import MTP
             self.mtp = MTP(args, param_dtype=param_dtype, rngs=rngs)
@@ -91,7 +92,7 @@ class Transformer(nnx.Module):
         """tokens (B, S) -> the final-normed hidden states (B, S, dim), what the head sees, and the
         cache with this chunk's entries of every main layer stored."""
         with jax.named_scope("embed"):
-            h = self.embed(tokens)
+            h = self.embed(tokens, ctx.layout)
         entries = []
         for stack, first, name in ((self.dense_layers, 0, "dense_layers"),
                                    (self.moe_layers, self.n_dense_layers, "moe_layers")):
@@ -105,11 +106,17 @@ class Transformer(nnx.Module):
             h = self.norm(h)
         return h, cache
 
-    def logits(self, h: jnp.ndarray) -> jnp.ndarray:
-        """Normed hidden states (..., dim) -> float32 logits (..., vocab), gathered over ranks."""
+    def logits(self, h: jnp.ndarray, layout: Layout) -> jnp.ndarray:
+        """Normed hidden states (B, ..., dim) -> float32 logits (B, ..., vocab), the vocabulary
+        gathered over its ranks (and, when the batch is split over them too, the rows gathered
+        first and this rank's taken back)."""
+        gathered, _ = layout.reduction("vocab_out")
         with jax.named_scope("head"):
-            logits = self.head(h, out_dtype=jnp.float32)
-        return jax.lax.all_gather(logits, MODEL_AXIS, axis=logits.ndim - 1, tiled=True)
+            logits = self.head(layout.gather_rows(h, gathered), out_dtype=jnp.float32)
+        vocab = layout.axes("vocab_out")
+        if vocab:
+            logits = jax.lax.all_gather(logits, vocab, axis=logits.ndim - 1, tiled=True)
+        return layout.own_rows(logits, gathered)
 
     def mtp_hidden(self, tokens: jnp.ndarray, hidden: jnp.ndarray, ctx: StepContext,
                    cache: dict) -> tuple[jnp.ndarray, dict]:
@@ -119,7 +126,7 @@ class Transformer(nnx.Module):
         n_layers. The MTP cache holds no position 0 (the module first runs at position 1):
         `ctx.kv_start` must be 1."""
         with jax.named_scope("mtp"):
-            x = self.mtp.inputs(self.embed(tokens), hidden, ctx)
+            x = self.mtp.inputs(self.embed(tokens, ctx.layout), hidden, ctx)
             y, entries = self.mtp.block(x, ctx, cache, self.n_layers)
             cache = write_layer_cache(cache, entries, ctx.positions, self.n_layers)
             return self.mtp.shared_head.norm(y), cache
@@ -129,4 +136,4 @@ class Transformer(nnx.Module):
         """tokens (B, S) -> float32 logits (B, vocab) at each row's `last_index`, and the updated cache."""
         h, cache = self.hidden(tokens, ctx, cache)
         h = jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0]
-        return self.logits(h), cache
+        return self.logits(h, ctx.layout), cache

@@ -2,8 +2,9 @@
 
 Routed experts never loop in Python: token-expert assignments are sorted by expert and pushed
 through one grouped GEMM (`grouped_matmul`), the single place a Pallas kernel can replace.
-Experts are split over the mesh in contiguous ranges; each rank computes its experts' share and
-one psum (together with the tensor-parallel shared experts) assembles the output.
+Experts are split over the mesh in contiguous ranges ("experts"); each rank computes its experts'
+share and one reduction over their ranks (together with the shared experts, when the layout
+splits those the same way) assembles the output.
 """
 from __future__ import annotations
 
@@ -17,24 +18,34 @@ from pallas_kernels import FP8_BLOCK, MOSAIC_MIN_ROWS, act_quant, grouped_gemm, 
 from pallas_kernels.reference import weight_dequant_ref
 
 from .config import ModelArgs
-from .layers import MODEL_AXIS, Linear, init_normal, param
+from .layers import Linear, init_normal, param
 from .options import StepContext
 
 
 class MLP(nnx.Module):
-    """w2(silu(w1 x) * w3 x): column-parallel w1/w3, row-parallel w2 (summed over ranks when `reduce`)."""
+    """w2(silu(w1 x) * w3 x), its hidden units the logical axis `hidden` ("ffn" for the dense MLP,
+    "shared_ffn" for the shared experts): w1/w3 split by output, w2 by input."""
 
     def __init__(self, dim: int, inter_dim: int, *, stack: tuple[int, ...] = (), param_dtype=jnp.bfloat16,
-                 fp8: bool = False, rngs: nnx.Rngs | None = None):
+                 fp8: bool = False, rngs: nnx.Rngs | None = None, hidden: str = "ffn"):
         common = dict(stack=stack, param_dtype=param_dtype, fp8=fp8, rngs=rngs)
-        self.w1 = Linear(dim, inter_dim, parallel="column", **common)
-        self.w2 = Linear(inter_dim, dim, parallel="row", **common)
-        self.w3 = Linear(dim, inter_dim, parallel="column", **common)
+        self.hidden = hidden
+        self.w1 = Linear(dim, inter_dim, axes=(hidden, "embed"), **common)
+        self.w2 = Linear(inter_dim, dim, axes=("embed", hidden), **common)
+        self.w3 = Linear(dim, inter_dim, axes=(hidden, "embed"), **common)
 
-    def __call__(self, x: jnp.ndarray, ctx: StepContext, reduce: bool = False) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, reduce: bool = False, out_dtype=None) -> jnp.ndarray:
+        """This rank's partial output; with `reduce` the whole output for x's rows (B, ...): rows
+        gathered first and the sum reduce-scattered back when the batch is split over the hidden
+        units' ranks too (`Layout.reduction`)."""
         gemm = ctx.gemm
-        hidden = jax.nn.silu(self.w1(x, **gemm).astype(jnp.float32)).astype(x.dtype) * self.w3(x, **gemm)
-        return self.w2(hidden, reduce=reduce, **gemm)
+        gathered, summed = ctx.layout.reduction(self.hidden) if reduce else ((), ())
+        rows = ctx.layout.gather_rows(x, gathered)
+        hidden = jax.nn.silu(self.w1(rows, **gemm).astype(jnp.float32)).astype(x.dtype) * self.w3(rows, **gemm)
+        y = self.w2(hidden, out_dtype=jnp.float32 if reduce else out_dtype, **gemm)
+        if reduce:
+            y = ctx.layout.reduce_rows(y, gathered, summed).astype(out_dtype or x.dtype)
+        return y
 
 
 class Gate(nnx.Module):
@@ -51,10 +62,10 @@ class Gate(nnx.Module):
         self.n_groups, self.topk_groups = args.n_expert_groups, args.n_limited_groups
         self.score_func, self.route_scale = args.score_func, args.route_scale
         self.normalize = args.normalize_topk
-        lead = (None,) * len(stack)
+        lead = ("layers",) * len(stack)
         self.weight = param(init_normal(rngs, (*stack, args.n_routed_experts, args.dim), param_dtype, args.dim**-0.5),
-                            lead + (None, None))
-        self.bias = (param(jnp.zeros((*stack, args.n_routed_experts), jnp.float32), lead + (None,))
+                            lead + ("router", "embed"))
+        self.bias = (param(jnp.zeros((*stack, args.n_routed_experts), jnp.float32), lead + ("router",))
                      if args.gate_bias else None)
 
     def __call__(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -178,11 +189,11 @@ class Experts(nnx.Module):
 
     def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), param_dtype=jnp.bfloat16,
                  rngs: nnx.Rngs | None = None):
-        common = dict(stack=(*stack, args.n_routed_experts), stack_partition=(None,) * len(stack) + (MODEL_AXIS,),
+        common = dict(stack=(*stack, args.n_routed_experts), stack_axes=("layers",) * len(stack) + ("experts",),
                       param_dtype=param_dtype, fp8=args.quantized, rngs=rngs)
-        self.w1 = Linear(args.dim, args.moe_inter_dim, **common)
-        self.w2 = Linear(args.moe_inter_dim, args.dim, **common)
-        self.w3 = Linear(args.dim, args.moe_inter_dim, **common)
+        self.w1 = Linear(args.dim, args.moe_inter_dim, axes=("expert_ffn", "embed"), **common)
+        self.w2 = Linear(args.moe_inter_dim, args.dim, axes=("embed", "expert_ffn"), **common)
+        self.w3 = Linear(args.dim, args.moe_inter_dim, axes=("expert_ffn", "embed"), **common)
 
     def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, indices: jnp.ndarray, ctx: StepContext,
                  stack_index=None) -> jnp.ndarray:
@@ -199,7 +210,7 @@ class Experts(nnx.Module):
         if stacked != (stack_index is not None):
             raise ValueError("Experts: a stack of layers' weights goes with `stack_index`")
         local_experts = self.w1.weight.shape[-3]
-        first = jax.lax.axis_index(MODEL_AXIS) * local_experts
+        first = ctx.layout.index("experts") * local_experts
         local_ids = indices.reshape(-1) - first
         mine = (local_ids >= 0) & (local_ids < local_experts)
         in_dims = (self.w1.weight.shape[-1], self.w2.weight.shape[-1])
@@ -272,24 +283,42 @@ class Experts(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """Gate + routed experts + shared experts; one psum over ranks assembles the output."""
+    """Gate + routed experts + shared experts; one reduction over the experts' ranks assembles the
+    output (`Layout.reduction`: a psum, or, when the batch is split over those ranks too, a gather
+    of the rows before and a reduce-scatter after). Shared experts split like the routed experts
+    join that reduction; replicated ones run on this rank's own rows after it."""
 
     def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), param_dtype=jnp.bfloat16,
                  rngs: nnx.Rngs | None = None):
         self.gate = Gate(args, stack=stack, param_dtype=param_dtype, rngs=rngs)
         self.experts = Experts(args, stack=stack, param_dtype=param_dtype, rngs=rngs)
         self.shared_experts = (MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, stack=stack,
-                                   param_dtype=param_dtype, fp8=args.quantized, rngs=rngs)
+                                   param_dtype=param_dtype, fp8=args.quantized, rngs=rngs, hidden="shared_ffn")
                                if args.n_shared_experts else None)
 
     def __call__(self, x: jnp.ndarray, ctx: StepContext, stack_index=None) -> jnp.ndarray:
+        layout = ctx.layout
         shape = x.shape
-        flat = x.reshape(-1, shape[-1])
+        local = x.reshape(-1, shape[-1])
+        gathered, summed = layout.reduction("experts", "expert_ffn")
+        valid = None if ctx.valid is None else jnp.repeat(ctx.valid, shape[1])  # per token
+        if valid is not None and gathered:  # the padding flags travel with the rows, in one gather
+            both = layout.gather_rows(jnp.concatenate([local, valid[:, None].astype(local.dtype)], -1), gathered)
+            flat, valid = both[:, :-1], both[:, -1] > 0
+        else:
+            flat = layout.gather_rows(local, gathered)
         with jax.named_scope("gate"):
             weights, indices = self.gate(flat)
+        if valid is not None:  # padding rows' tokens go to no expert (no rank reads an expert for them)
+            indices = jnp.where(valid[:, None], indices, -1)
         with jax.named_scope("routed_experts"):
             y = self.experts(flat, weights, indices, ctx, stack_index)
-        if self.shared_experts is not None:
+        shared_joins = self.shared_experts is not None and layout.reduction("shared_ffn") == (gathered, summed)
+        if shared_joins:
             with jax.named_scope("shared_experts"):
                 y = y + self.shared_experts(flat, ctx).astype(jnp.float32)
-        return jax.lax.psum(y, MODEL_AXIS).astype(x.dtype).reshape(shape)
+        y = layout.reduce_rows(y, gathered, summed)
+        if self.shared_experts is not None and not shared_joins:
+            with jax.named_scope("shared_experts"):
+                y = y + self.shared_experts(local, ctx, reduce=True).astype(jnp.float32)
+        return y.astype(x.dtype).reshape(shape)

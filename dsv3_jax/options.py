@@ -14,6 +14,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from .sharding import PRESETS, Layout
+
 COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -36,10 +38,14 @@ class RunOptions:
                             "routed experts: the Pallas grouped GEMM, the same fused into two launches "
                             "(w1+w3+silu*mul, w2+routing weights), those two over unsorted (token, expert) "
                             "slots (no sort or scatter), a gather of the experts in use, or ragged_dot "
-                            "(auto: the kernel on a GPU)")
+                            "(auto: by step size on a GPU)")
     decode_attn: str = _choice("auto", ("auto", "xla", "kernel"),
                                "absorbed attention of single-token steps: XLA einsums or the Pallas kernel "
                                "(auto: the kernel on a GPU)")
+    layout: str = _choice("tp", tuple(PRESETS),
+                          "how the model is split over the devices, a preset of dsv3_jax.sharding.PRESETS: "
+                          "attention tensor-parallel (tp), split by batch rows with its cache (dp-attn, "
+                          "dp-attn-tp) or replicated (rep-attn, ep-only)")
     unroll: bool = dataclasses.field(default=False, metadata={"help": "unroll the layer scans (longer compile, "
                                                                      "no loop between layers)"})
 
@@ -114,6 +120,8 @@ class StepContext:
     options: RunOptions = RunOptions()
     scale_fmt: str | None = None  # ModelArgs.scale_fmt: None or "ue8m0"
     kv_start: int = 0  # attention reads cache positions [kv_start, kv_len) (the MTP block: 1)
+    layout: Layout = Layout()  # how the step is split (the default: not at all, no collective)
+    valid: jnp.ndarray | None = None  # (B,) bool: False for the padding rows of a batch split (None: none)
 
     @property
     def gemm(self) -> dict:

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from .config import ModelArgs
 from .safetensors_io import CheckpointError
-from .sharding import partition_specs
+from .sharding import Layout, partition_specs
 
 STATE_DIR = "state"
 MTP_KEY = "mtp"
@@ -146,8 +146,10 @@ def has_array(directory: str | Path, path: tuple[str, ...]) -> bool:
     return tuple(path) in stored_arrays(directory)
 
 
-def restore_state(directory: str | Path, abstract_state: nnx.State, args: ModelArgs, mesh: Mesh) -> nnx.State:
-    """Restore the model parameters onto `mesh`, each device reading only its shard of each array.
+def restore_state(directory: str | Path, abstract_state: nnx.State, args: ModelArgs, mesh: Mesh,
+                  layout: Layout) -> nnx.State:
+    """Restore the model parameters onto `mesh`, split as `layout` says, each device reading only
+    its shard of each array.
 
     The stored arrays must match the config: every parameter present with the model's shape, fp8
     weights stored as fp8; other stored dtypes are cast to the model's. Only "mtp" may hold extra
@@ -156,7 +158,8 @@ def restore_state(directory: str | Path, abstract_state: nnx.State, args: ModelA
     import orbax.checkpoint as ocp  # slow to import: see _streamed_array_handler
 
     stored = stored_arrays(directory)
-    specs = {tuple(str(p) for p in path): spec for path, spec in nnx.to_flat_state(partition_specs(abstract_state))}
+    specs = {tuple(str(p) for p in path): spec
+             for path, spec in nnx.to_flat_state(partition_specs(abstract_state, layout))}
     item, restore_args, wanted = {}, {}, []
     for path, variable in nnx.to_flat_state(abstract_state):
         key = tuple(str(p) for p in path)

@@ -37,6 +37,7 @@ from .config import ModelArgs
 from .generate import Plan, Timing, _check_options, _check_prompts, distribution, draw
 from .options import RunOptions, StepContext
 from .rope import inverse_frequencies, rotary_angles
+from .sharding import Layout
 
 
 class SpecState(NamedTuple):
@@ -58,26 +59,28 @@ def _normalized(probs: jax.Array) -> jax.Array:
     return probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
 
 
-def _draft(model, y: jax.Array, temperature, key, top_k: int, top_p: float):
+def _draft(model, y: jax.Array, temperature, key, top_k: int, top_p: float, layout: Layout):
     """(draft token, its distribution q) from the MTP module's normed outputs y (B, dim)."""
-    logits = model.logits(y)
+    logits = model.logits(y, layout)
     q = _normalized(distribution(logits, temperature, top_k=top_k, top_p=top_p))
     token = jnp.where(temperature > 0, draw(q, key), jnp.argmax(logits, axis=-1).astype(jnp.int32))
     return token, q
 
 
-def make_mtp_steps(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, options: RunOptions):
-    """The jitted MTP prefill and speculative step of a model with an MTP module (cache donated).
+def make_mtp_steps(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, options: RunOptions,
+                   layout: Layout):
+    """The jitted MTP prefill and speculative step of a model with an MTP module (cache donated);
+    `layout` must not split the batch (every device holds every row's state).
 
     prefill(state, cache, tokens, lengths, budgets, seed, temperature, eos_id, *, kv_len, top_k, top_p)
         -> (SpecState, cache);  step(state, cache, spec_state, *, kv_len, top_k, top_p) -> (SpecState, cache).
     """
     inv_freq = inverse_frequencies(args)
-    c_specs = cache_specs(options.attn_impl)
+    c_specs = cache_specs(options.attn_impl, layout)
 
     def context(positions, kv_len, kv_start=0):
         cos, sin = rotary_angles(positions, inv_freq, args.rope_attention_factor)
-        return StepContext(positions, cos, sin, kv_len, options, args.scale_fmt, kv_start)
+        return StepContext(positions, cos, sin, kv_len, options, args.scale_fmt, kv_start, layout)
 
     def local_prefill(state, cache, tokens, lengths, budgets, seed, temperature, eos_id, *, kv_len, top_k, top_p):
         model = nnx.merge(graphdef, state)
@@ -86,7 +89,7 @@ def make_mtp_steps(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: M
         positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None], (batch, seq))
         hidden, cache = model.hidden(tokens, context(positions, kv_len), cache)
         last = lengths - 1
-        logits = model.logits(hidden[rows, last])
+        logits = model.logits(hidden[rows, last], layout)
         key, first_key, draft_key = jax.random.split(jax.random.key(seed), 3)
         greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         first = jnp.where(temperature > 0, draw(distribution(logits, temperature, top_k=top_k, top_p=top_p),
@@ -95,7 +98,7 @@ def make_mtp_steps(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: M
         next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((batch, 1), tokens.dtype)], axis=1)
         next_tokens = next_tokens.at[rows, last].set(first)
         y, cache = model.mtp_hidden(next_tokens, hidden, context(positions + 1, kv_len, 1), cache)
-        draft, q = _draft(model, y[rows, last], temperature, draft_key, top_k, top_p)
+        draft, q = _draft(model, y[rows, last], temperature, draft_key, top_k, top_p, layout)
         remaining = budgets - 1
         finished = (first == eos_id) | (remaining <= 0)
         out = jnp.stack([first, jnp.zeros_like(first), jnp.ones_like(first), jnp.zeros_like(first)], axis=1)
@@ -107,7 +110,7 @@ def make_mtp_steps(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: M
         rows = jnp.arange(batch)
         positions = s.position[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
         hidden, cache = model.hidden(jnp.stack([s.token, s.draft], axis=1), context(positions, kv_len), cache)
-        logits = model.logits(hidden)  # (B, 2, vocab): predictions for p + 1 and p + 2
+        logits = model.logits(hidden, layout)  # (B, 2, vocab): predictions for p + 1 and p + 2
         key, accept_key, residual_key, bonus_key, draft_key = jax.random.split(s.key, 5)
         sampling = s.temperature > 0
         argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -129,7 +132,7 @@ def make_mtp_steps(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: M
         y, cache = model.mtp_hidden(jnp.stack([first, second], axis=1), hidden, context(positions + 1, kv_len, 1),
                                     cache)
         advance = jnp.where(accept, 2, 1)
-        draft, q = _draft(model, y[rows, advance - 1], s.temperature, draft_key, top_k, top_p)
+        draft, q = _draft(model, y[rows, advance - 1], s.temperature, draft_key, top_k, top_p, layout)
         remaining = s.remaining - count
         finished = s.finished | (active & ((first == s.eos_id) | ((count == 2) & (second == s.eos_id))
                                            | (remaining <= 0)))

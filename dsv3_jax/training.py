@@ -2,8 +2,9 @@
 next-token and MTP losses, the expert loads that drive bias balancing, and the export of trained
 parameters as a Hugging Face checkpoint.
 
-Everything here runs inside `jax.shard_map` over a mesh with the model axis (the modules' psums need
-it); `shard_over` wraps a function for a mesh. The forward is the inference model's own: the same
+Everything here runs inside `jax.shard_map` over a mesh, split as a `Layout` (default: not split)
+says, the layout naming the mesh axes of the modules' collectives; `shard_over` wraps a function
+for a mesh. The forward is the inference model's own: the same
 MLA (called without a cache: a chunk attends to itself), MoE, norms, embedding and head; only the
 layer loop is written out here, so that each MoE layer's expert loads come back with the output.
 """
@@ -20,13 +21,13 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .config import ModelArgs
-from .layers import MODEL_AXIS
 from .model import Block, Transformer
 from .moe import MoE
 from .mtp import MTP, mtp_hf_tensors
 from .options import RunOptions, StepContext
 from .rope import inverse_frequencies, rotary_angles
 from .schema import hf_name, reference_names, stacked_axes
+from .sharding import Layout, partition_specs
 
 # the run options of training: per-head keys and values (no cache to absorb into), ragged_dot experts
 TRAIN_OPTIONS = RunOptions(attn_impl="naive", moe_impl="ragged")
@@ -40,10 +41,11 @@ class TrainModel(nnx.Module):
         self.mtp = nnx.List([MTP(args, param_dtype=param_dtype, rngs=rngs) for _ in range(args.n_mtp_layers)])
 
 
-def context(args: ModelArgs, positions: jnp.ndarray, options: RunOptions = TRAIN_OPTIONS) -> StepContext:
+def context(args: ModelArgs, positions: jnp.ndarray, options: RunOptions = TRAIN_OPTIONS,
+            layout: Layout = Layout()) -> StepContext:
     """The step context of a cache-free pass over tokens at `positions` (B, S)."""
     cos, sin = rotary_angles(positions, inverse_frequencies(args), args.rope_attention_factor)
-    return StepContext(positions, cos, sin, positions.shape[1], options, args.scale_fmt)
+    return StepContext(positions, cos, sin, positions.shape[1], options, args.scale_fmt, layout=layout)
 
 
 def block_forward(block: Block, x: jnp.ndarray, ctx: StepContext) -> tuple[jnp.ndarray, jnp.ndarray | None]:
@@ -59,7 +61,7 @@ def block_forward(block: Block, x: jnp.ndarray, ctx: StepContext) -> tuple[jnp.n
 
 def sequence_hidden(model: Transformer, tokens: jnp.ndarray, ctx: StepContext, *, remat: bool = False):
     """tokens (B, S) -> (hidden states after the final norm (B, S, dim), MoE loads (n_moe_layers, E) or None)."""
-    h = model.embed(tokens)
+    h = model.embed(tokens, ctx.layout)
     loads = None
     for stack in (model.dense_layers, model.moe_layers):
         if stack is None:
@@ -77,10 +79,9 @@ def sequence_hidden(model: Transformer, tokens: jnp.ndarray, ctx: StepContext, *
     return model.norm(h), loads
 
 
-def head_logits(model: Transformer, hidden: jnp.ndarray) -> jnp.ndarray:
+def head_logits(model: Transformer, hidden: jnp.ndarray, layout: Layout = Layout()) -> jnp.ndarray:
     """float32 logits (..., vocab) of every position (the vocabulary-parallel head, gathered)."""
-    logits = model.head(hidden, out_dtype=jnp.float32)
-    return jax.lax.all_gather(logits, MODEL_AXIS, axis=logits.ndim - 1, tiled=True)
+    return model.logits(hidden, layout)
 
 
 def token_nll(logits: jnp.ndarray, targets: jnp.ndarray) -> jnp.ndarray:
@@ -90,7 +91,7 @@ def token_nll(logits: jnp.ndarray, targets: jnp.ndarray) -> jnp.ndarray:
 
 
 def forward_losses(model: Transformer, mtp: MTP | None, args: ModelArgs, tokens: jnp.ndarray, *, remat: bool = False,
-                   options: RunOptions = TRAIN_OPTIONS) -> dict:
+                   options: RunOptions = TRAIN_OPTIONS, layout: Layout = Layout()) -> dict:
     """Teacher-forced pass over windows tokens (B, S + 1): per-position losses and routing loads.
 
     Returns nll (B, S) of t_{i+1}; with an MTP module, mtp_nll (B, S - 1) of t_{i+2},
@@ -99,15 +100,15 @@ def forward_losses(model: Transformer, mtp: MTP | None, args: ModelArgs, tokens:
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     batch, seq = inputs.shape
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None], (batch, seq))
-    hidden, loads = sequence_hidden(model, inputs, context(args, positions, options), remat=remat)
-    logits = head_logits(model, hidden)
+    hidden, loads = sequence_hidden(model, inputs, context(args, positions, options, layout), remat=remat)
+    logits = head_logits(model, hidden, layout)
     out = {"nll": token_nll(logits, targets), "main_argmax": jnp.argmax(logits, -1)}
     all_loads = [loads] if loads is not None else []
     if mtp is not None:
-        ctx = context(args, positions[:, 1:], options)  # the block runs at position i + 1
-        x = mtp.inputs(model.embed(inputs[:, 1:]), hidden[:, :-1], ctx)
+        ctx = context(args, positions[:, 1:], options, layout)  # the block runs at position i + 1
+        x = mtp.inputs(model.embed(inputs[:, 1:], layout), hidden[:, :-1], ctx)
         y, mtp_loads = block_forward(mtp.block, x, ctx)
-        mtp_logits = head_logits(model, mtp.shared_head.norm(y))
+        mtp_logits = head_logits(model, mtp.shared_head.norm(y), layout)
         out["mtp_nll"] = token_nll(mtp_logits, tokens[:, 2:])
         out["mtp_argmax"] = jnp.argmax(mtp_logits, -1)
         if mtp_loads is not None:
@@ -126,10 +127,9 @@ def sequence_nll(model, tokens, *, mtp: MTP | None = None, **choices):
     """Per-position -log p of windows tokens (B, S + 1) under an `api.Model` (a loaded checkpoint), on
     its mesh, with its run options (attention naive and experts ragged unless `choices` say otherwise);
     with `mtp` (replicated), also the MTP outputs (see forward_losses)."""
-    from .sharding import partition_specs
-
     args = model.args
-    specs = partition_specs(model.state)
+    layout = model.layout.unsplit_batch()  # the windows are replicated: every device runs every row
+    specs = partition_specs(model.state, layout)
     mtp_state = nnx.split(mtp)[1] if mtp is not None else None
     mtp_graph = nnx.split(mtp)[0] if mtp is not None else None
     options = RunOptions.make(model.options, **{"attn_impl": "naive", "moe_impl": "ragged", **choices})
@@ -137,7 +137,8 @@ def sequence_nll(model, tokens, *, mtp: MTP | None = None, **choices):
     def local(state, mtp_state, tokens):
         module = nnx.merge(mtp_graph, mtp_state) if mtp_state is not None else None
         with options.precision_scope():
-            out = forward_losses(nnx.merge(model.graphdef, state), module, args, tokens, options=options)
+            out = forward_losses(nnx.merge(model.graphdef, state), module, args, tokens, options=options,
+                                 layout=layout)
         out.pop("loads")
         return out
 

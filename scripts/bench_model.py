@@ -8,6 +8,11 @@ benchmarks/model-<gpu>-<config>.json and .md.
     python scripts/bench_model.py --config configs/config_16B.json
     python scripts/bench_model.py --config config_671B.json --layers 4 --gemm-impl fp8
 
+Several devices: --num-devices N, and --layouts (a comma list of dsv3_jax.sharding.PRESETS) to
+time each way of splitting the model in one run (the weights are resharded between layouts):
+
+    python scripts/bench_model.py --config configs/config_16B.json --num-devices 2 --layouts tp,dp-attn,ep-only
+
 Several processes (one per GPU): start it once per process with --coordinator-address,
 --num-processes and --process-id (or the JAX_* variables); the mesh spans every process's devices
 and process 0 prints and writes the results.
@@ -30,7 +35,7 @@ from dsv3_jax.chat import start_distributed
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.options import add_flags, choices, from_flags
 from dsv3_jax.schema import abstract_state
-from dsv3_jax.sharding import parameter_bytes_per_device
+from dsv3_jax.sharding import Layout, parameter_bytes_per_device
 
 
 def option_list(name: str):
@@ -63,7 +68,7 @@ def copy_bandwidth(device) -> float:
 def decode_bytes(args: ModelArgs, batch: int, context: int, dtype_bytes: int) -> float:
     """Fewest bytes one decode step must read: each selected expert once (expected distinct
     experts under uniform routing), every other weight but the embedding once, and the cache rows attended."""
-    w = parameter_bytes_per_device(abstract_state(args, jnp.bfloat16), 1)
+    w = parameter_bytes_per_device(abstract_state(args, jnp.bfloat16), Layout())
     k, experts = args.n_activated_experts, args.n_routed_experts
     distinct = experts * (1 - (1 - k / experts) ** batch)
     total = sum(w.get(role, 0.0) for role in ("attention", "dense MLP", "shared experts", "gate", "norms", "head"))
@@ -74,7 +79,7 @@ def decode_bytes(args: ModelArgs, batch: int, context: int, dtype_bytes: int) ->
 
 def prefill_flops(args: ModelArgs, batch: int, length: int) -> float:
     """Matmul FLOPs of a prefill (2 per multiply-add), attention scores included (causal half)."""
-    w = parameter_bytes_per_device(abstract_state(args.replace(dtype="bf16"), jnp.bfloat16), 1)
+    w = parameter_bytes_per_device(abstract_state(args.replace(dtype="bf16"), jnp.bfloat16), Layout())
     per_token = sum(w.get(role, 0.0) for role in ("attention", "dense MLP", "shared experts", "gate", "head"))
     per_token += w.get("routed experts", 0.0) * args.n_activated_experts / args.n_routed_experts
     per_token /= 2  # bf16 bytes -> elements
@@ -167,8 +172,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="cut the model to this many layers (dense first)")
     parser.add_argument("--dense-layers", type=int, help="with --layers: how many of them are dense")
     parser.add_argument("--weights", choices=("bf16", "fp8"), help="weight storage (default: the config's dtype)")
-    add_flags(parser, skip=("moe_impl", "decode_attn"))
+    add_flags(parser, skip=("moe_impl", "decode_attn", "layout"))
     parser.add_argument("--num-devices", type=int, default=1)
+    parser.add_argument("--layouts", default="tp", type=option_list("layout"),
+                        help=f"layouts to time, a comma list of {','.join(choices('layout'))}")
     parser.add_argument("--moe-impls", default="auto", type=option_list("moe_impl"),
                         help=f"routed-expert paths to time, a comma list of {','.join(choices('moe_impl'))}")
     parser.add_argument("--decode-batches", default="1,8,32")
@@ -206,24 +213,30 @@ def main() -> None:
     say(f"device {device.device_kind}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
 
     t0 = time.perf_counter()
-    model = dsv3_jax.build(args, seed=0, options=options, num_devices=opts.num_devices)
+    model = dsv3_jax.build(args, seed=0, options=dsv3_jax.RunOptions.make(options, layout=opts.layouts[0]),
+                           num_devices=opts.num_devices)
     jax.block_until_ready(model.state)
     build_s = time.perf_counter() - t0
     params = sum(x.size for x in jax.tree.leaves(model.state))
     say(f"built {args.n_layers} layers ({params / 1e9:.2f} G parameters, {args.dtype} weights) in {build_s:.1f} s")
 
     rows = []
-    variants = [(m, a) for m in opts.moe_impls for a in opts.decode_attns]
-    for moe_impl, decode_attn in variants:
-        runner = dsv3_jax.Model(args, model.graphdef, model.state, model.mesh,
-                                dsv3_jax.RunOptions.make(options, moe_impl=moe_impl, decode_attn=decode_attn))
+    devices = model.mesh.devices.size
+    variants = [(lay, m, a) for lay in opts.layouts for m in opts.moe_impls for a in opts.decode_attns]
+    for layout, moe_impl, decode_attn in variants:
         model.cache = None  # one cache at a time on the device
+        runner = dsv3_jax.Model(args, model.graphdef, model.state, model.mesh,
+                                dsv3_jax.RunOptions.make(options, moe_impl=moe_impl, decode_attn=decode_attn,
+                                                         layout=layout))
+        model.state = runner.state  # the weights as this layout splits them (the previous split freed)
+        tag = f"moe={moe_impl} attn={decode_attn} layout={layout}"
         for batch in prefill_batches:
             result = bench_prefill(runner, batch, opts.prefill_len, opts.repeats)
             flops = prefill_flops(args, batch, opts.prefill_len)
-            result.update(kind="prefill", moe_impl=moe_impl, decode_attn=decode_attn, tflops=flops / result["seconds"] / 1e12)
+            result.update(kind="prefill", moe_impl=moe_impl, decode_attn=decode_attn, layout=layout, devices=devices,
+                          tflops=flops / result["seconds"] / 1e12)
             rows.append(result)
-            say(f"prefill b={batch} x {opts.prefill_len} moe={moe_impl} attn={decode_attn}: {result['tok_per_s']:,.0f} tok/s "
+            say(f"prefill b={batch} x {opts.prefill_len} {tag}: {result['tok_per_s']:,.0f} tok/s "
                   f"({result['seconds'] * 1e3:.2f} ms, {result['tflops']:.0f} TFLOP/s, "
                   f"compile {result['compile_s']:.1f} s)", flush=True)
         for batch in decode_batches:
@@ -232,16 +245,17 @@ def main() -> None:
             bytes_read = decode_bytes(args, batch, context, 2) / opts.num_devices
             floor_ms = bytes_read / HBM_BYTES_PER_S * 1e3
             in_run_floor_ms = bytes_read / bandwidth * 1e3
-            result.update(kind="decode", moe_impl=moe_impl, decode_attn=decode_attn, bytes_per_step=bytes_read, floor_ms=floor_ms,
+            result.update(kind="decode", moe_impl=moe_impl, decode_attn=decode_attn, layout=layout, devices=devices,
+                          bytes_per_step=bytes_read, floor_ms=floor_ms,
                           floor_ms_in_run_copy=in_run_floor_ms,
                           achieved_gb_s=bytes_read / (result["ms_per_step"] / 1e3) / 1e9,
                           pct_roofline=100 * floor_ms / result["ms_per_step"])
             result.update(bench_generate(runner, batch, opts.context, opts.steps))
             result["generate_over_step"] = result["generate_ms_per_token"] / result["ms_per_step"]
             rows.append(result)
-            say(f"generate b={batch} moe={moe_impl} attn={decode_attn}: {result['generate_tok_per_s']:,.1f} tok/s, "
+            say(f"generate b={batch} {tag}: {result['generate_tok_per_s']:,.1f} tok/s, "
                 f"{result['generate_ms_per_token']:.3f} ms/token ({result['generate_over_step']:.2f}x the step)")
-            say(f"decode b={batch} moe={moe_impl} attn={decode_attn}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
+            say(f"decode b={batch} {tag}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
                   f"ms/step (floor {floor_ms:.3f} ms = {bytes_read / 1e9:.2f} GB at {HBM_BYTES_PER_S / 1e12:.1f} TB/s, "
                   f"{result['pct_roofline']:.0f}% of it; {in_run_floor_ms:.3f} ms at the in-run copy rate "
                   f"{bandwidth / 1e12:.2f} TB/s; compile {result['compile_s']:.1f} s)", flush=True)
@@ -272,10 +286,10 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] == "prefill":
-            lines.append(f"| prefill {r['batch']}x{r['length']} ({r['moe_impl']}, {r['decode_attn']}) | {r['tok_per_s']:,.0f} | {r['seconds'] * 1e3:.2f} | "
+            lines.append(f"| prefill {r['batch']}x{r['length']} ({r['moe_impl']}, {r['decode_attn']}, {r['layout']}) | {r['tok_per_s']:,.0f} | {r['seconds'] * 1e3:.2f} | "
                          f"- | - | - | {r['tflops']:.0f} TFLOP/s | - | {r['compile_s']:.1f} |")
         else:
-            lines.append(f"| decode b={r['batch']} ({r['moe_impl']}, {r['decode_attn']}) | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "
+            lines.append(f"| decode b={r['batch']} ({r['moe_impl']}, {r['decode_attn']}, {r['layout']}) | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "
                          f"{r['bytes_per_step'] / 1e9:.2f} GB | {r['floor_ms']:.3f} ms | {r['achieved_gb_s']:,.0f} | "
                          f"{r['pct_roofline']:.0f}% | {r['generate_ms_per_token']:.3f} ({r['generate_over_step']:.2f}x) | "
                          f"{r['compile_s']:.1f} |")

@@ -219,6 +219,15 @@ def test_reference_layout_loads_like_hf(bf16_source, reference_mp2, hf_logits, t
     np.testing.assert_array_equal(logits(reference_mp2, n, config=str(config)), hf_logits[n])
 
 
+@pytest.mark.parametrize("layout", ["dp-attn", "rep-attn", "ep-only"])
+def test_reference_layout_loads_for_every_layout(bf16_source, reference_mp2, hf_logits, tmp_path, layout):
+    """Per-rank files cut for the "tp" split load into any layout (each device reading its window)."""
+    config = reference_json(bf16_source, tmp_path / "config_tiny.json")
+    for n in (2, 4):
+        np.testing.assert_allclose(logits(reference_mp2, n, config=str(config), layout=layout), hf_logits[1],
+                                   rtol=0, atol=2e-5)
+
+
 def test_reference_layout_each_device_reads_its_own_file(reference_mp2, monkeypatch):
     """On a mesh of MP devices, the window of device r's shard touches only model{r}-mp{MP}.safetensors."""
     import jax
@@ -306,6 +315,11 @@ def test_orbax_restores_like_hf(orbax_bf16, hf_logits, n):
     experts = model.state["moe_layers"]["ffn"]["experts"]["w1"]["weight"].get_value()
     assert {s.data.shape for s in experts.addressable_shards} == {(3, 8 // n, 32, 64)}
     np.testing.assert_array_equal(np.asarray(model.forward(TOKENS)), hf_logits[n])
+
+
+def test_orbax_restores_into_a_batch_split_layout(orbax_bf16, hf_logits):
+    model = dsv3_jax.load(orbax_bf16, compute_dtype="float32", num_devices=4, max_seq_len=64, layout="dp-attn")
+    np.testing.assert_allclose(np.asarray(model.forward(TOKENS)), hf_logits[1], rtol=0, atol=2e-5)
 
 
 def test_orbax_checks_the_config(orbax_bf16):

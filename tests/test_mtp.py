@@ -87,17 +87,17 @@ def our_mtp_logits(model, tokens: np.ndarray) -> np.ndarray:
 
     def ctx(positions, start=0):
         cos, sin = rotary_angles(positions, inv_freq, args.rope_attention_factor)
-        return StepContext(positions, cos, sin, args.max_seq_len, options, args.scale_fmt, start)
+        return StepContext(positions, cos, sin, args.max_seq_len, options, args.scale_fmt, start, model.layout)
 
     def local(state, cache, tokens):
         m = nnx.merge(model.graphdef, state)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
         hidden, cache = m.hidden(tokens, ctx(positions), cache)
         y, _ = m.mtp_hidden(tokens[:, 1:], hidden[:, :-1], ctx(positions[:, 1:], 1), cache)
-        return m.logits(y)
+        return m.logits(y, model.layout)
 
-    run = jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(partition_specs(model.state),
-                                                                   cache_specs(options.attn_impl), P()),
+    run = jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(partition_specs(model.state, model.layout),
+                                                                   cache_specs(options.attn_impl, model.layout), P()),
                                 out_specs=P(), check_vma=False))
     return np.asarray(run(model.state, model.cache, jnp.asarray(tokens, jnp.int32)))
 

@@ -1,0 +1,147 @@
+"""Every layout (`dsv3_jax.sharding.PRESETS`) on 2 and 4 devices, and on a 2x2 mesh, computes what
+the 1-device model computes (float32): the logits of a prefill and of decode steps whose rows sit
+at different positions (3 rows: the batch split pads them), and greedy completions of prompts of
+unequal lengths. Also the rules the presets make, the collectives each asks for per layer, and
+the errors of a bad layout."""
+import jax
+import numpy as np
+import pytest
+
+import dsv3_jax
+from dsv3_jax.sharding import PRESETS, Layout, make_mesh
+from hf_models import hf_model, save
+from script_modules import load_script
+
+TOL = 2e-5
+PROMPTS = [[5, 17, 300, 2, 9, 44, 101], [7, 7, 1], [400, 33, 8, 250, 3]]
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    """A tiny V3 checkpoint (MoE with shared experts, a dense layer, q_lora, YaRN)."""
+    return save(hf_model("v3", seed=11), tmp_path_factory.mktemp("v3_layouts"))
+
+
+def load(directory, **kwargs):
+    return dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=4, max_seq_len=64, **kwargs)
+
+
+def logits_of(model) -> list[np.ndarray]:
+    """A prefill of 3 rows, then decode steps with the rows at positions 6, 4 and 5 (row 1 going
+    back over its own positions, row 2 too)."""
+    tokens = np.random.default_rng(7).integers(0, 512, size=(3, 12))
+    out = [np.asarray(model.forward(tokens[:, :6], 0))]
+    start = np.array([6, 4, 5])
+    for i in range(3):
+        out.append(np.asarray(model.forward(tokens[:, 6 + i: 7 + i], start + i)))
+    return out
+
+
+def completions_of(model) -> list[list[int]]:
+    return model.generate(PROMPTS, max_new_tokens=6, eos_id=None, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def one_device(v3):
+    model = load(v3)
+    return logits_of(model), completions_of(model)
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("layout", list(PRESETS))
+def test_layout_equals_one_device(v3, one_device, layout, devices):
+    model = load(v3, num_devices=devices, layout=layout)
+    assert model.layout.name == layout and model.mesh.devices.size == devices
+    diff = max_diff(logits_of(model), one_device[0])
+    print(f"{layout} on {devices} devices: max |logit diff| vs 1 device = {diff:.2e}")
+    assert diff <= TOL
+    if devices == 4:  # (2 devices: the same code, compiled for other shapes)
+        assert completions_of(model) == one_device[1]
+
+
+def test_layouts_split_what_they_say(v3):
+    shard = lambda array: array.sharding.shard_shape(array.shape)  # noqa: E731
+    dp = load(v3, num_devices=4, layout="dp-attn")
+    args = dp.args
+    assert shard(dp.cache["kv"])[1] == 1  # 4 cache rows over 4 devices
+    dp.forward(np.ones((3, 5), np.int32))  # padded to 4 rows: the padding row writes no cache entry
+    assert np.abs(np.asarray(dp.cache["kv"])).sum(axis=(0, 2, 3)).tolist()[3] == 0
+    wq_b = dp.state["moe_layers"]["attn"]["wq_b"]["weight"][...]
+    assert shard(wq_b) == wq_b.shape  # attention replicated
+    assert shard(dp.state["head"]["weight"][...]) == (args.vocab_size, args.dim)
+    experts = dp.state["moe_layers"]["ffn"]["experts"]["w1"]["weight"][...]
+    assert shard(experts)[1] == args.n_routed_experts // 4
+    tp = load(v3, num_devices=4, layout="tp")
+    assert shard(tp.cache["kv"]) == tp.cache["kv"].shape  # the latent cache replicated
+    assert shard(tp.state["moe_layers"]["attn"]["wq_b"]["weight"][...])[1] == args.n_heads * args.qk_head_dim // 4
+
+
+def test_presets_rules():
+    dp = Layout.preset("dp-attn", ("model",), (2,))
+    assert (dp.axes("batch"), dp.axes("heads"), dp.axes("experts"), dp.axes("vocab_out")) == (
+        ("model",), (), ("model",), ())
+    assert dp.reduction("experts") == (("model",), ())
+    tp = Layout.preset("tp", ("data", "model"), (2, 4))
+    assert (tp.axes("batch"), tp.axes("heads"), tp.axes("experts")) == (("data",), ("model",), ("data", "model"))
+    assert tp.reduction("experts") == (("data",), ("model",))
+    assert tp.spec("layers", "experts", "expert_ffn", "embed") == jax.sharding.PartitionSpec(
+        None, ("data", "model"), None, None)
+    one = Layout.preset("tp", ("model",), (1,))
+    assert all(axes == () for _, axes in one.rules)  # one device: no collective
+    assert dp.padded_batch(3) == 4 and list(dp.row_order(4)) == [0, 2, 1, 3]
+
+
+@pytest.mark.parametrize("layout", list(PRESETS))
+def test_two_dimensional_mesh(v3, one_device, layout):
+    """A 2x2 mesh ("data", "model") with no module edited: the data axis splits the rows."""
+    model = load(v3, mesh=make_mesh(4, data=2), layout=layout)
+    assert model.layout.mesh_shape == (2, 2)
+    assert max_diff(logits_of(model), one_device[0]) <= TOL
+
+
+def test_collectives_per_layer():
+    """The lowered decode step asks for these collectives per layer (see scripts/count_collectives.py)."""
+    counting = load_script("count_collectives")
+    base = dsv3_jax.ModelArgs(**counting.TINY)
+    expected = {  # layout: (per dense layer, per MoE layer), as {kind: count}
+        "tp": ({"all-reduce": 2}, {"all-reduce": 2}),
+        "dp-attn": ({}, {"all-gather": 1, "reduce-scatter": 1}),
+        "dp-attn-tp": ({"all-gather": 1, "reduce-scatter": 1}, {"all-gather": 1, "reduce-scatter": 1}),
+        "rep-attn": ({"all-reduce": 1}, {"all-reduce": 1}),
+        "ep-only": ({}, {"all-reduce": 1}),
+    }
+    for layout, (dense, moe) in expected.items():
+        counts = counting.per_layer_counts(base, layout, 2, 2, compiled=False)["lowered"]
+        nonzero = lambda c: {k: n for k, n in c.items() if n}  # noqa: E731
+        assert (nonzero(counts["dense layer"]), nonzero(counts["moe layer"])) == (dense, moe), layout
+
+
+def test_bad_layouts_fail_clearly(v3):
+    with pytest.raises(ValueError, match="layout must be one of"):
+        load(v3, layout="fsdp")
+    with pytest.raises(ValueError, match="unknown layout 'fsdp'"):
+        Layout.preset("fsdp", ("model",), (2,))
+    args = dsv3_jax.ModelArgs.from_file(v3 / "config.json").replace(max_batch_size=2, max_seq_len=32)
+    model = dsv3_jax.build(args, num_devices=2, layout="dp-attn", mtp=True, compute_dtype="float32")
+    with pytest.raises(ValueError, match="MTP speculative decoding needs a layout that does not split the batch"):
+        model.generate([[1, 2]], 2, eos_id=None, mtp=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", list(PRESETS))
+def test_two_gpus_complete_like_one(layout):
+    """On 2 GPUs every layout's greedy completions equal 1 GPU's (the tiny checkpoint, float32)."""
+    if len(jax.devices("gpu")) < 2:
+        pytest.skip("needs 2 GPUs")
+    from dsv3_jax.chat import ASSETS
+
+    def complete(devices, layout):
+        model = dsv3_jax.load(ASSETS / "tiny", compute_dtype="float32", num_devices=devices, layout=layout,
+                              max_batch_size=3, max_seq_len=128)
+        return model.generate(PROMPTS, max_new_tokens=24, eos_id=None, temperature=0.0)
+
+    assert complete(2, layout) == complete(1, "tp")
