@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import FP8_BLOCK, MOSAIC_MIN_ROWS, act_quant, grouped_gemm, grouped_gemm_swiglu, use_interpret
-from pallas_kernels.reference import weight_dequant_ref
+from pallas_kernels.reference import route_ref, weight_dequant_ref
+from pallas_kernels.router import route
 
 from .config import ModelArgs
 from .layers import Linear, init_normal, param
@@ -68,27 +69,16 @@ class Gate(nnx.Module):
         self.bias = (param(jnp.zeros((*stack, args.n_routed_experts), jnp.float32), lead + ("router",))
                      if args.gate_bias else None)
 
-    def __call__(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-        """x (N, dim) -> (weights (N, k) float32, expert indices (N, k) int32)."""
+    def __call__(self, x: jnp.ndarray, router: str = "xla") -> tuple[jnp.ndarray, jnp.ndarray]:
+        """x (N, dim) -> (weights (N, k) float32, expert indices (N, k) int32).
+
+        The logits come from one float32 GEMM; the rest is `route_ref` in XLA (router "xla") or
+        the one-launch Pallas kernel `route` (router "kernel")."""
         logits = jnp.dot(x.astype(jnp.float32), self.weight[...].astype(jnp.float32).T)
-        scores = jax.nn.softmax(logits, axis=-1) if self.score_func == "softmax" else jax.nn.sigmoid(logits)
-        original = scores
-        if self.bias is not None:
-            scores = scores + self.bias[...]
-        if self.n_groups > 1:
-            grouped = scores.reshape(scores.shape[0], self.n_groups, -1)
-            if self.bias is None:
-                group_scores = grouped.max(axis=-1)
-            else:
-                group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
-            _, keep = jax.lax.top_k(group_scores, self.topk_groups)
-            kept = jnp.zeros(group_scores.shape, bool).at[jnp.arange(scores.shape[0])[:, None], keep].set(True)
-            scores = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(scores.shape)
-        _, indices = jax.lax.top_k(scores, self.topk)
-        weights = jnp.take_along_axis(original, indices, axis=-1)
-        if self.normalize:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
-        return weights * self.route_scale, indices.astype(jnp.int32)
+        bias = None if self.bias is None else self.bias[...]
+        routing = dict(topk=self.topk, n_groups=self.n_groups, topk_groups=self.topk_groups,
+                       score_func=self.score_func, route_scale=self.route_scale, normalize=self.normalize)
+        return (route if router == "kernel" else route_ref)(logits, bias, **routing)
 
 
 def grouped_kernel_applies(in_dims: tuple[int, ...]) -> bool:
@@ -308,7 +298,7 @@ class MoE(nnx.Module):
         else:
             flat = layout.gather_rows(local, gathered)
         with jax.named_scope("gate"):
-            weights, indices = self.gate(flat)
+            weights, indices = self.gate(flat, ctx.options.router)
         if valid is not None:  # padding rows' tokens go to no expert (no rank reads an expert for them)
             indices = jnp.where(valid[:, None], indices, -1)
         with jax.named_scope("routed_experts"):

@@ -42,6 +42,9 @@ class RunOptions:
     decode_attn: str = _choice("auto", ("auto", "xla", "kernel"),
                                "absorbed attention of single-token steps: XLA einsums or the Pallas kernel "
                                "(auto: the kernel on a GPU)")
+    router: str = _choice("xla", ("xla", "kernel"),
+                          "MoE routing after the gate GEMM (scores, group-limited top-k, weights): XLA ops or "
+                          "one Pallas kernel (not yet timed on a GPU)")
     layout: str = _choice("tp", tuple(PRESETS),
                           "how the model is split over the devices, a preset of dsv3_jax.sharding.PRESETS: "
                           "attention tensor-parallel (tp), split by batch rows with its cache (dp-attn, "

@@ -7,6 +7,7 @@
     y = grouped_gemm_mgpu(x, w, group_sizes)                    # the same on wgmma (Mosaic GPU, bf16)
     h = grouped_gemm_swiglu(x, w1, w3, group_sizes)             # silu(x W1_g^T) * (x W3_g^T), one launch
     o = mla_decode(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_pe, scale=s)
+    w, i = route(logits, bias, topk=k, n_groups=g, topk_groups=kg, score_func="sigmoid")  # MoE routing
 
 On an NVIDIA GPU the kernels compile through Pallas' Triton backend; on Hopper (sm_90) fp8_gemm at
 M >= 128 (gemm_mgpu; fp8_gemm_path says which) and grouped_gemm for prefill-sized steps (grouped_mgpu;
@@ -24,7 +25,8 @@ from .grouped import grouped_gemm, grouped_gemm_backend, grouped_gemm_swiglu
 from .grouped_mgpu import MOSAIC_MIN_ROWS, MosaicTiles, grouped_gemm_mgpu
 from .mla import mla_decode
 from .quantize import act_quant
+from .router import route
 
 __all__ = ["FP8_BLOCK", "FP8_DTYPE", "GemmConfig", "MOSAIC_MIN_ROWS", "MosaicGemmConfig", "MosaicTiles", "act_quant",
            "cdiv", "fp8_gemm", "fp8_gemm_path", "grouped_gemm", "grouped_gemm_backend", "grouped_gemm_mgpu",
-           "grouped_gemm_swiglu", "mla_decode", "use_interpret", "weight_dequant"]
+           "grouped_gemm_swiglu", "mla_decode", "route", "use_interpret", "weight_dequant"]

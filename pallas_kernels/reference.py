@@ -82,3 +82,29 @@ def grouped_gemm_swiglu_ref(x: jax.Array, w1: jax.Array, w3: jax.Array, group_si
     a1 = grouped_gemm_ref(x, w1, group_sizes, w1_scale, row_groups=row_groups)
     a3 = grouped_gemm_ref(x, w3, group_sizes, w3_scale, row_groups=row_groups)
     return (jax.nn.silu(a1) * a3).astype(x.dtype if out_dtype is None else out_dtype)
+
+
+def route_ref(logits: jax.Array, bias: jax.Array | None = None, *, topk: int, n_groups: int = 1,
+              topk_groups: int = 1, score_func: str = "softmax", route_scale: float = 1.0,
+              normalize: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`router.route`, the MoE gate after its GEMM (the reference's Gate.forward): float32 logits
+    (N, E) -> (weights (N, topk) float32, expert indices (N, topk) int32).
+
+    scores = softmax or sigmoid of the logits; a score-correction bias shifts the scores used to
+    SELECT experts but not the weights; with expert groups only the best `topk_groups` groups
+    compete (group score: max, or the sum of the top two with a bias)."""
+    scores = jax.nn.softmax(logits, axis=-1) if score_func == "softmax" else jax.nn.sigmoid(logits)
+    original = scores
+    if bias is not None:
+        scores = scores + bias
+    if n_groups > 1:
+        grouped = scores.reshape(scores.shape[0], n_groups, -1)
+        group_scores = grouped.max(axis=-1) if bias is None else jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
+        _, keep = jax.lax.top_k(group_scores, topk_groups)
+        kept = jnp.zeros(group_scores.shape, bool).at[jnp.arange(scores.shape[0])[:, None], keep].set(True)
+        scores = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(scores.shape)
+    _, indices = jax.lax.top_k(scores, topk)
+    weights = jnp.take_along_axis(original, indices, axis=-1)
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights * route_scale, indices.astype(jnp.int32)
