@@ -221,6 +221,47 @@ def main() -> None:
     say(f"built {args.n_layers} layers ({params / 1e9:.2f} G parameters, {args.dtype} weights) in {build_s:.1f} s")
 
     rows = []
+    name = Path(opts.config).stem.replace("config_", "")
+    gpu = device.device_kind.lower().replace("nvidia ", "").replace(" ", "-")
+    out = Path(opts.out_dir)
+    stem = f"model-{gpu}-{name}{'-' + opts.tag if opts.tag else ''}"
+
+    def save(final: bool = False) -> None:
+        """Write the rows so far (after every row: a run cut short keeps what it measured); at the
+        end also print the table."""
+        if not leader:
+            return
+        stats = device.memory_stats() or {}
+        peak = stats.get("peak_bytes_in_use", 0)
+        record = {
+            "gpu": device.device_kind, "devices": model.mesh.devices.size, "config": Path(opts.config).name,
+            "layers": args.n_layers, "dense_layers": args.n_dense_layers, "weights": args.dtype,
+            "gemm_impl": options.gemm_impl, "attn_impl": options.attn_impl, "jax": jax.__version__,
+            "python": platform.python_version(), "date": datetime.date.today().isoformat(),
+            "copy_bandwidth_tb_s": bandwidth / 1e12, "build_s": build_s, "peak_device_bytes": peak, "rows": rows,
+            "processes": jax.process_count(), "complete": final,
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps(record, indent=2))
+        lines = [f"# {name}: {args.n_layers} layers, {args.dtype} weights, gemm_impl {options.gemm_impl}",
+                 "", f"{device.device_kind} x{model.mesh.devices.size} ({jax.process_count()} process(es)), jax {jax.__version__}, {record['date']}; "
+                 f"in-run copy bandwidth {bandwidth / 1e12:.2f} TB/s; peak device memory {peak / 2**30:.1f} GiB", "",
+                 f"| run | tok/s | ms/step | bytes/step | floor at {HBM_BYTES_PER_S / 1e12:.1f} TB/s | GB/s | % of floor | "
+                 "generate() ms/token | compile s |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r["kind"] == "prefill":
+                lines.append(f"| prefill {r['batch']}x{r['length']} ({r['moe_impl']}, {r['decode_attn']}, {r['layout']}) | {r['tok_per_s']:,.0f} | {r['seconds'] * 1e3:.2f} | "
+                             f"- | - | - | {r['tflops']:.0f} TFLOP/s | - | {r['compile_s']:.1f} |")
+            else:
+                lines.append(f"| decode b={r['batch']} ({r['moe_impl']}, {r['decode_attn']}, {r['layout']}) | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "
+                             f"{r['bytes_per_step'] / 1e9:.2f} GB | {r['floor_ms']:.3f} ms | {r['achieved_gb_s']:,.0f} | "
+                             f"{r['pct_roofline']:.0f}% | {r['generate_ms_per_token']:.3f} ({r['generate_over_step']:.2f}x) | "
+                             f"{r['compile_s']:.1f} |")
+        (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+        if final:
+            print("\n".join(lines))
+
     devices = model.mesh.devices.size
     variants = [(lay, m, a) for lay in opts.layouts for m in opts.moe_impls for a in opts.decode_attns]
     for layout, moe_impl, decode_attn in variants:
@@ -236,6 +277,7 @@ def main() -> None:
             result.update(kind="prefill", moe_impl=moe_impl, decode_attn=decode_attn, layout=layout, devices=devices,
                           tflops=flops / result["seconds"] / 1e12)
             rows.append(result)
+            save()
             say(f"prefill b={batch} x {opts.prefill_len} {tag}: {result['tok_per_s']:,.0f} tok/s "
                   f"({result['seconds'] * 1e3:.2f} ms, {result['tflops']:.0f} TFLOP/s, "
                   f"compile {result['compile_s']:.1f} s)", flush=True)
@@ -253,6 +295,7 @@ def main() -> None:
             result.update(bench_generate(runner, batch, opts.context, opts.steps))
             result["generate_over_step"] = result["generate_ms_per_token"] / result["ms_per_step"]
             rows.append(result)
+            save()
             say(f"generate b={batch} {tag}: {result['generate_tok_per_s']:,.1f} tok/s, "
                 f"{result['generate_ms_per_token']:.3f} ms/token ({result['generate_over_step']:.2f}x the step)")
             say(f"decode b={batch} {tag}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
@@ -260,41 +303,7 @@ def main() -> None:
                   f"{result['pct_roofline']:.0f}% of it; {in_run_floor_ms:.3f} ms at the in-run copy rate "
                   f"{bandwidth / 1e12:.2f} TB/s; compile {result['compile_s']:.1f} s)", flush=True)
         runner.cache = None
-    stats = device.memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use", 0)
-    name = Path(opts.config).stem.replace("config_", "")
-    gpu = device.device_kind.lower().replace("nvidia ", "").replace(" ", "-")
-    record = {
-        "gpu": device.device_kind, "devices": model.mesh.devices.size, "config": Path(opts.config).name,
-        "layers": args.n_layers, "dense_layers": args.n_dense_layers, "weights": args.dtype,
-        "gemm_impl": options.gemm_impl, "attn_impl": options.attn_impl, "jax": jax.__version__,
-        "python": platform.python_version(), "date": datetime.date.today().isoformat(),
-        "copy_bandwidth_tb_s": bandwidth / 1e12, "build_s": build_s, "peak_device_bytes": peak, "rows": rows,
-    }
-    record["processes"] = jax.process_count()
-    if not leader:
-        return
-    out = Path(opts.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"model-{gpu}-{name}{'-' + opts.tag if opts.tag else ''}"
-    (out / f"{stem}.json").write_text(json.dumps(record, indent=2))
-    lines = [f"# {name}: {args.n_layers} layers, {args.dtype} weights, gemm_impl {options.gemm_impl}",
-             "", f"{device.device_kind} x{model.mesh.devices.size} ({jax.process_count()} process(es)), jax {jax.__version__}, {record['date']}; "
-             f"in-run copy bandwidth {bandwidth / 1e12:.2f} TB/s; peak device memory {peak / 2**30:.1f} GiB", "",
-             f"| run | tok/s | ms/step | bytes/step | floor at {HBM_BYTES_PER_S / 1e12:.1f} TB/s | GB/s | % of floor | "
-             "generate() ms/token | compile s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["kind"] == "prefill":
-            lines.append(f"| prefill {r['batch']}x{r['length']} ({r['moe_impl']}, {r['decode_attn']}, {r['layout']}) | {r['tok_per_s']:,.0f} | {r['seconds'] * 1e3:.2f} | "
-                         f"- | - | - | {r['tflops']:.0f} TFLOP/s | - | {r['compile_s']:.1f} |")
-        else:
-            lines.append(f"| decode b={r['batch']} ({r['moe_impl']}, {r['decode_attn']}, {r['layout']}) | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "
-                         f"{r['bytes_per_step'] / 1e9:.2f} GB | {r['floor_ms']:.3f} ms | {r['achieved_gb_s']:,.0f} | "
-                         f"{r['pct_roofline']:.0f}% | {r['generate_ms_per_token']:.3f} ({r['generate_over_step']:.2f}x) | "
-                         f"{r['compile_s']:.1f} |")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save(final=True)
 
 
 if __name__ == "__main__":
