@@ -87,7 +87,9 @@ def grouped_kernel_applies(in_dims: tuple[int, ...]) -> bool:
 
 
 SLOTS_MAX = 48  # (token, expert) slots up to which "auto" runs "slots"
-FUSED_MAX_ROWS = 1024  # routed rows up to which "auto" runs "fused" (decode); above, the grouped kernel
+# routed rows up to which "auto" runs "fused" (decode-sized); above, the grouped kernel, which is the
+# same decode/prefill boundary at which grouped_gemm takes its wgmma kernel and _kernel_tiles tall tiles
+FUSED_MAX_ROWS = MOSAIC_MIN_ROWS
 
 
 def auto_moe_impl(slots: int, local_experts: int, kernels: bool) -> str:
