@@ -128,8 +128,9 @@ def markdown(rep: dict) -> str:
              "|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in rep["rows"]:
         if "ms" in r:
+            diff = f"{r['max_abs_diff_vs_twin']:.2g}" if "max_abs_diff_vs_twin" in r else "-"
             lines.append(f"| {r['S']} | {r['H']} | {r['path']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-                         f"{r['pct_peak']:.0f}% | {r['floor_ms']:.3f} | {r.get('max_abs_diff_vs_twin', float('nan')):.2g} |")
+                         f"{r['pct_peak']:.0f}% | {r['floor_ms']:.3f} | {diff} |")
         else:
             lines.append(f"| {r['S']} | {r['H']} | {r['path']} | - | - | - | {r['floor_ms']:.3f} | {r['error']} |")
     return "\n".join(lines) + "\n"
