@@ -19,12 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._common import fail, hopper, use_interpret
-from .flash_attention_mgpu import FlashTiles, flash_attention_mgpu, mosaic_unsupported
+from ._common import fail, hopper, match_vma, use_interpret, vma_union
+from .flash_attention_mgpu import M_FLOOR, FlashTiles, flash_attention_mgpu, mosaic_unsupported
 
 _FN = "flash_attention"
 IMPLS = ("auto", "mosaic", "jnp")
-M_FLOOR = -1e30  # running max before any visible key: finite, so an all-masked block adds 0, not NaN
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *, scale: float,
@@ -69,11 +68,18 @@ def key_block(t: int) -> int:
     return t if t <= 64 else (128 if t % 128 == 0 else 64)
 
 
+def query_block(batch: int, rows: int, heads: int, block_kv: int) -> int:
+    """The twin's default query chunk: about 2^24 scores a key block (enough work per step for a
+    GPU), at least 256 rows, at most all of them."""
+    return min(rows, max(256, (1 << 24) // (batch * heads * block_kv)))
+
+
 def flash_attention_ref(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *, scale: float,
-                        kv_start: int = 0, block_kv: int | None = None) -> jax.Array:
-    """`flash_attention` in plain XLA: a scan over key blocks keeping the running max m, the sum l
-    and the float32 accumulator per (b, s, h), so temporaries are O(B*S*H*block_kv), never
-    O(S*T). Key blocks wholly past every row's position (or before kv_start) are skipped.
+                        kv_start: int = 0, block_kv: int | None = None, block_q: int | None = None) -> jax.Array:
+    """`flash_attention` in plain XLA: query chunks of block_q rows one after another (lax.map), each
+    a scan over key blocks keeping the running max m, the sum l and the float32 accumulator, so
+    temporaries are O(B*block_q*H*block_kv), never O(S*T). A chunk skips the key blocks wholly
+    past its rows' positions (about half the work of a causal prefill) or before kv_start.
 
     Same rounding points as the kernel: scores and softmax in float32, the probabilities cast to
     v's dtype before the P @ V product (float32 accumulation).
@@ -84,7 +90,26 @@ def flash_attention_ref(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
     if t % bk:  # whole key blocks: pad keys past T, which the mask hides
         k, v = (jnp.pad(x, ((0, 0), (0, -t % bk), (0, 0), (0, 0))) for x in (k, v))
     positions = jnp.minimum(positions.astype(jnp.int32), t - 1)  # no key past T - 1 exists
-    last = jnp.max(positions)  # no row sees a key past this
+    bq = block_q or query_block(batch, rows, heads, bk)
+    if bq >= rows:
+        return _attend_chunk(q, k, v, positions, scale, kv_start, bk)
+    chunks = -(-rows // bq)
+    if rows % bq:  # whole chunks: pad rows at position -1 see nothing and are dropped
+        q = jnp.pad(q, ((0, 0), (0, chunks * bq - rows), (0, 0), (0, 0)))
+        positions = jnp.pad(positions, ((0, 0), (0, chunks * bq - rows)), constant_values=-1)
+
+    def chunk(i):
+        rows_i = [lax.dynamic_slice_in_dim(x, i * bq, bq, axis=1) for x in (q, positions)]
+        return _attend_chunk(rows_i[0], k, v, rows_i[1], scale, kv_start, bk)
+
+    out = lax.map(chunk, jnp.arange(chunks))  # (chunks, B, bq, H, d_v)
+    return jnp.moveaxis(out, 0, 1).reshape(batch, chunks * bq, heads, -1)[:, :rows]
+
+
+def _attend_chunk(q, k, v, positions, scale, kv_start, bk):
+    """One query chunk against the key blocks of k, v (T a multiple of bk)."""
+    batch, rows, heads, _ = q.shape
+    last = jnp.max(positions)  # no row of the chunk sees a key past this
     # XLA:CPU has no fast bf16 dot: there the (exact) float32 upcast of one block is the cheap way
     up = (lambda x: x.astype(jnp.float32)) if jax.default_backend() == "cpu" else (lambda x: x)
     qs = up(q)
@@ -107,5 +132,6 @@ def flash_attention_ref(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
 
     init = (jnp.full((batch, rows, heads), M_FLOOR, jnp.float32), jnp.zeros((batch, rows, heads), jnp.float32),
             jnp.zeros((batch, rows, heads, v.shape[-1]), jnp.float32))
+    init = tuple(match_vma(vma_union(q, k, v, positions), *init))  # inside shard_map: vary as the updates do
     (_, l, acc), _ = lax.scan(block, init, jnp.arange(kv_start // bk, k.shape[1] // bk))
     return (acc / jnp.where(l == 0.0, 1.0, l)[..., None]).astype(q.dtype)

@@ -156,7 +156,8 @@ def _build(batch, s_pad, heads, t, d_qk, d_v, dtype, scale, kv_start, tiles: Fla
     qo = plgpu.RefUnion(plgpu.SMEM((COMPUTE_WGS, bq, d_qk), dtype, transforms=swz),
                         plgpu.SMEM((COMPUTE_WGS, o_rows, d_v), dtype, transforms=swz))
     scratch = [
-        (qo, plgpu.SMEM((steps, bkv, d_qk), dtype, transforms=swz), plgpu.SMEM((steps, bkv, d_v), dtype, transforms=swz)),
+        (qo, plgpu.SMEM((steps, bkv, d_qk), dtype, transforms=swz),
+         plgpu.SMEM((steps, bkv, d_v), dtype, transforms=swz)),
         (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=COMPUTE_WGS)),
         (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=steps),) * 2,
         plgpu.Barrier(num_arrivals=COMPUTE_WGS),
@@ -210,11 +211,12 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, bounds_ref, out_ref, smem, ready, cons
             plgpu.barrier_wait(consumed[1].at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], ready[1].at[slot])
 
-        @pl.loop(jnp.maximum(lo, cta_end - steps), cta_end)
-        def _drain(step):  # see the last blocks released (no barrier phase is left unobserved)
+        def drain(step, _):  # see the last blocks released (no barrier phase is left unobserved)
             slot = lax.rem(step - lo, steps)
             plgpu.barrier_wait(consumed[0].at[slot])
             plgpu.barrier_wait(consumed[1].at[slot])
+
+        _loop(jnp.maximum(lo, cta_end - steps), cta_end, drain, None)
 
     @pl.when(wg < COMPUTE_WGS)
     def _consumer():
@@ -223,83 +225,42 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, bounds_ref, out_ref, smem, ready, cons
                  blk=first_blk + wg, lo=lo, cta_end=cta_end, scale=scale, kv_start=kv_start, tiles=tiles)
 
 
-def _compute(q_ref, pos_ref, bounds_ref, out_ref, smem, ready, consumed, schedule, p_smem, *, b, h, wg, blk, lo, cta_end,
-             scale, kv_start, tiles: FlashTiles):
+@dataclasses.dataclass(frozen=True)
+class _Warpgroup:
+    """What one compute warpgroup's key-block steps read: its SMEM views, the barriers, its query
+    positions (a row vector), the first key block lo, its own end, and the static tiling."""
+    q_smem: object
+    k_smem: object
+    v_smem: object
+    p_smem: object  # interpret mode only, see _build
+    ready: tuple
+    consumed: tuple
+    schedule: object
+    pos: jax.Array
+    lo: jax.Array | int
+    end: jax.Array
+    c: float  # scale * log2(e): scores in log2 units, p = exp2(s * c - m)
+    kv_start: int
+    tiles: FlashTiles
+
+
+def _compute(q_ref, pos_ref, bounds_ref, out_ref, smem, ready, consumed, schedule, p_smem, *, b, h, wg, blk, lo,
+             cta_end, scale, kv_start, tiles: FlashTiles):
     """One compute warpgroup: its block_q query rows against key blocks [lo, end), then releases
     the blocks up to cta_end that only the other warpgroup reads."""
-    bq, bkv, steps = tiles.block_q, tiles.block_kv, tiles.max_concurrent_steps
+    bq, bkv = tiles.block_q, tiles.block_kv
     (q_all, o_all), k_smem, v_smem = smem
     q_smem, o_smem = q_all.at[wg], o_all.at[wg]
-    d_v = o_smem.shape[-1]
     full_lo, full_hi, end = bounds_ref[b, blk, 0], bounds_ref[b, blk, 1], bounds_ref[b, blk, 2]
     rows = pl.ds(blk * bq, bq)
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, ready[2].at[wg])
     pos = plgpu.load(pos_ref.at[b, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
     plgpu.barrier_wait(ready[2].at[wg])
-    c = scale * _LOG2E  # scores in log2 units: p = exp2(s * c - m)
-
-    def turn():  # the other compute warpgroup's turn on the tensor cores
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(schedule)
-
-    def step_fn(step, carry, masked: bool):
-        acc, m_i, l_i = carry
-        slot = lax.rem(step - lo, steps)
-
-        def scores(s_ref):
-            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
-            turn()
-            return s_ref[...]
-
-        s = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
-        plgpu.barrier_arrive(consumed[0].at[slot])
-        if masked:
-            key = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + step * bkv
-            visible = key <= lax.broadcast_in_dim(pos, (bq, bkv), [0])
-            if kv_start:
-                visible = visible & (key >= kv_start)
-            s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m_i, s.max(axis=1) * c)
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        l_i = l_i * alpha + p.sum(axis=1)
-        p16 = p.astype(q_smem.dtype)
-        alpha, l_i, m_new, p16 = lax.optimization_barrier((alpha, l_i, m_new, p16))
-        plgpu.barrier_arrive(schedule)  # softmax done
-        plgpu.barrier_wait(ready[1].at[slot])
-        plgpu.barrier_wait(schedule)  # the tensor cores are ours again
-        if p_smem is not None:  # interpret mode only, see _build
-            p_smem.at[wg][...] = p16
-            plgpu.commit_smem()
-            p16 = p_smem.at[wg]
-
-        def values(pv_ref):
-            plgpu.wgmma(pv_ref, p16, v_smem.at[slot])
-            nxt = step + 1
-
-            @pl.when(nxt < end)
-            def _():  # the next K block, while this wgmma runs
-                plgpu.barrier_wait(ready[0].at[lax.rem(nxt - lo, steps)])
-
-            return pv_ref[...]
-
-        # P V into a fresh accumulator, folded in with the rescale (one FMA an element). Mosaic GPU's
-        # interpreter has no pl.run_state, which would let the wgmma accumulate into acc in place.
-        pv = pl.run_scoped(values, plgpu.ACC((bq, d_v), jnp.float32))
-        plgpu.barrier_arrive(consumed[1].at[slot])
-        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l_i
-
-    def release(step, _):  # a block only the other warpgroup reads: keep the barrier counts in step
-        slot = lax.rem(step - lo, steps)
-        plgpu.barrier_wait(ready[0].at[slot])  # observe every phase, as the interpreter checks
-        plgpu.barrier_wait(ready[1].at[slot])
-        plgpu.barrier_arrive(consumed[0].at[slot])
-        plgpu.barrier_arrive(consumed[1].at[slot])
-        turn()
-        turn()
+    me = _Warpgroup(q_smem, k_smem, v_smem, None if p_smem is None else p_smem.at[wg], ready, consumed, schedule,
+                    pos, lo, end, scale * _LOG2E, kv_start, tiles)
 
     row_vec = plgpu.Layout.WGMMA.reduce(1)
-    carry = (plgpu.layout_cast(jnp.zeros((bq, d_v), jnp.float32), plgpu.Layout.WGMMA),
+    carry = (plgpu.layout_cast(jnp.zeros((bq, o_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA),
              plgpu.layout_cast(jnp.full((bq,), M_FLOOR, jnp.float32), row_vec),
              plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_vec))
 
@@ -307,14 +268,15 @@ def _compute(q_ref, pos_ref, bounds_ref, out_ref, smem, ready, consumed, schedul
     def _():
         plgpu.barrier_wait(ready[0].at[0])
 
-    pl.when(wg == 1)(turn)
-    masked, unmasked = functools.partial(step_fn, masked=True), functools.partial(step_fn, masked=False)
+    pl.when(wg == 1)(functools.partial(_turn, schedule))
+    masked = lambda step, carry: _kv_step(me, step, carry, masked=True)  # noqa: E731
+    unmasked = lambda step, carry: _kv_step(me, step, carry, masked=False)  # noqa: E731
     if kv_start % bkv:
         carry = lax.fori_loop(lo, full_lo, masked, carry)
-    carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
-    acc, _, l_i = lax.fori_loop(full_hi, end, masked, carry)
-    lax.fori_loop(end, cta_end, release, None)
-    pl.when(wg == 0)(turn)
+    carry = _loop(full_lo, full_hi, unmasked, carry)
+    acc, _, l_i = _loop(full_hi, end, masked, carry)
+    _loop(end, cta_end, lambda step, _: _release(me, step), None)
+    pl.when(wg == 0)(functools.partial(_turn, schedule))
 
     inv = 1.0 / jnp.where(l_i == 0.0, 1.0, l_i)  # a row that saw no key: acc is 0, so is its output
     out = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
@@ -323,3 +285,78 @@ def _compute(q_ref, pos_ref, bounds_ref, out_ref, smem, ready, consumed, schedul
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_rows, out_ref.at[b, rows, h])
     plgpu.wait_smem_to_gmem(0)
+
+
+def _loop(lower, upper, body, carry):
+    """lax.fori_loop over [lower, upper) with a traced lower bound, counted from 0: inside
+    jax.shard_map a counter starting at a value read from an operand would vary along the mesh
+    axes while the body's increment of it does not, which the loop's type check rejects."""
+    return lax.fori_loop(0, upper - lower, lambda i, c: body(lower + i, c), carry)
+
+
+def _turn(schedule):
+    """The other compute warpgroup's turn on the tensor cores."""
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+
+def _kv_step(me: _Warpgroup, step, carry, masked: bool):
+    """One key block: S = Q K^T, the online-softmax update (with the mask on partly visible
+    blocks), acc = acc * alpha + P V; waits for the next K block while P V runs."""
+    acc, m_i, l_i = carry
+    bq, bkv, steps = me.tiles.block_q, me.tiles.block_kv, me.tiles.max_concurrent_steps
+    slot = lax.rem(step - me.lo, steps)
+
+    def scores(s_ref):
+        plgpu.wgmma(s_ref, me.q_smem, me.k_smem.at[slot].T)
+        _turn(me.schedule)
+        return s_ref[...]
+
+    s = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
+    plgpu.barrier_arrive(me.consumed[0].at[slot])
+    if masked:
+        key = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + step * bkv
+        visible = key <= lax.broadcast_in_dim(me.pos, (bq, bkv), [0])
+        if me.kv_start:
+            visible = visible & (key >= me.kv_start)
+        s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m_i, s.max(axis=1) * me.c)
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s * me.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    p16 = p.astype(me.q_smem.dtype)
+    alpha, l_i, m_new, p16 = lax.optimization_barrier((alpha, l_i, m_new, p16))
+    plgpu.barrier_arrive(me.schedule)  # softmax done
+    plgpu.barrier_wait(me.ready[1].at[slot])
+    plgpu.barrier_wait(me.schedule)  # the tensor cores are ours again
+    if me.p_smem is not None:  # interpret mode only, see _build
+        me.p_smem[...] = p16
+        plgpu.commit_smem()
+        p16 = me.p_smem
+
+    def values(pv_ref):
+        plgpu.wgmma(pv_ref, p16, me.v_smem.at[slot])
+        nxt = step + 1
+
+        @pl.when(nxt < me.end)
+        def _():  # the next K block, while this wgmma runs
+            plgpu.barrier_wait(me.ready[0].at[lax.rem(nxt - me.lo, steps)])
+
+        return pv_ref[...]
+
+    # P V into a fresh accumulator, folded in with the rescale (one FMA an element). Mosaic GPU's
+    # interpreter has no pl.run_state, which would let the wgmma accumulate into acc in place.
+    pv = pl.run_scoped(values, plgpu.ACC((bq, me.v_smem.shape[-1]), jnp.float32))
+    plgpu.barrier_arrive(me.consumed[1].at[slot])
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l_i
+
+
+def _release(me: _Warpgroup, step) -> None:
+    """A key block only the other warpgroup reads: keep the barrier counts (and turns) in step."""
+    slot = lax.rem(step - me.lo, me.tiles.max_concurrent_steps)
+    plgpu.barrier_wait(me.ready[0].at[slot])  # observe every phase, as the interpreter checks
+    plgpu.barrier_wait(me.ready[1].at[slot])
+    plgpu.barrier_arrive(me.consumed[0].at[slot])
+    plgpu.barrier_arrive(me.consumed[1].at[slot])
+    _turn(me.schedule)
+    _turn(me.schedule)

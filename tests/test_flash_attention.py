@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels import FlashTiles, flash_attention
-from pallas_kernels.flash_attention import flash_attention_ref, key_block
+from pallas_kernels.flash_attention import flash_attention_ref, key_block, query_block
 from pallas_kernels.flash_attention_mgpu import flash_attention_mgpu, kv_block_bounds
 from pallas_kernels.reference import attention_dense_ref
 
@@ -91,19 +92,20 @@ def decode_pointer(out):
 
 
 # ---------------------------------------------------------------- the jnp twin (CPU)
-@pytest.mark.parametrize("s,t,starts,kv_start,block", [
-    (37, 192, (150, 0, 60), 0, 64),     # S ragged, 3 key blocks, rows at unequal positions
-    (64, 256, (192, 5, 100), 70, 64),    # kv_start inside a block
-    (50, 128, (30, 78), 0, 32),          # the chunk's last rows at T - 1
-    (16, 320, (300, 2), 128, None),      # kv_start on a block boundary, default block (64)
-    (20, 100, (90, 0), 0, None),         # T not a multiple of the block: padded keys stay hidden
+@pytest.mark.parametrize("s,t,starts,kv_start,block,block_q", [
+    (37, 192, (150, 0, 60), 0, 64, None),   # S ragged, 3 key blocks, rows at unequal positions
+    (37, 192, (150, 0, 60), 0, 64, 16),     # the same in 3 query chunks (the last one padded)
+    (64, 256, (192, 5, 100), 70, 64, 32),   # kv_start inside a block; 2 chunks skipping differently
+    (50, 128, (30, 78), 0, 32, None),       # the chunk's last rows at T - 1
+    (16, 320, (300, 2), 128, None, None),   # kv_start on a block boundary, default block (64)
+    (20, 100, (90, 0), 0, None, 8),         # T not a multiple of the block: padded keys stay hidden
 ])
-def test_twin_matches_float64(s, t, starts, kv_start, block):
+def test_twin_matches_float64(s, t, starts, kv_start, block, block_q):
     rng = seed(f"twin-{s}-{t}-{kv_start}")
     q, k, v = operands(rng, len(starts), s, 3, t, jnp.float32)
     pos = ragged_positions(s, starts)
     scale = D_QK ** -0.5
-    got = flash_attention_ref(q, k, v, pos, scale=scale, kv_start=kv_start, block_kv=block)
+    got = flash_attention_ref(q, k, v, pos, scale=scale, kv_start=kv_start, block_kv=block, block_q=block_q)
     want = dense64(q, k, v, pos, scale, kv_start)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=2e-6)
     # the materialised jnp reference (the benchmark's XLA baseline) is the same function
@@ -119,11 +121,11 @@ def test_twin_rows_that_see_nothing_are_zero():
     np.testing.assert_allclose(got, dense64(q, k, v, pos, 0.1, 80), rtol=2e-6, atol=2e-6)
 
 
-@pytest.mark.parametrize("first,kv_start", [(False, 0), (True, 70)])
-def test_twin_points_at_the_mask_boundary(first, kv_start):
+@pytest.mark.parametrize("first,kv_start,block_q", [(False, 0, None), (True, 70, None), (False, 70, 10)])
+def test_twin_points_at_the_mask_boundary(first, kv_start, block_q):
     pos = ragged_positions(24, (100, 3, 60))
     q, k, v = pointer_operands(3, 24, 2, 192, jnp.float32, first)
-    got = flash_attention_ref(q, k, v, pos, scale=0.125, kv_start=kv_start, block_kv=64)
+    got = flash_attention_ref(q, k, v, pos, scale=0.125, kv_start=kv_start, block_kv=64, block_q=block_q)
     want = pointer_expected(pos, kv_start, 192, first)[..., None]
     np.testing.assert_array_equal(decode_pointer(got), np.broadcast_to(want, got.shape[:-1]))
 
@@ -134,10 +136,13 @@ def _temp_bytes(fn, s, t, h=2):
     return jax.jit(functools.partial(fn, scale=0.1)).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-def test_twin_temporaries_do_not_grow_with_s_times_t():
+@pytest.mark.parametrize("block_q", [None, 512])
+def test_twin_temporaries_do_not_grow_with_s_times_t(block_q):
     """S = T from 1024 to 4096 multiplies S x T by 16 and S by 4: the twin's temporaries (the
-    float32 accumulator, one key block's scores) grow about 4x, the materialised path's ~16x."""
-    small, large = _temp_bytes(flash_attention_ref, 1024, 1024), _temp_bytes(flash_attention_ref, 4096, 4096)
+    float32 accumulator, one key block's scores, the output) grow at most about 4x, the
+    materialised path's ~16x. (Default chunk: all rows at this size; 512: 2 and 8 chunks.)"""
+    twin = functools.partial(flash_attention_ref, block_q=block_q)
+    small, large = _temp_bytes(twin, 1024, 1024), _temp_bytes(twin, 4096, 4096)
     assert large < 5 * small, (small, large)
     score_bytes = 4096 * 4096 * 2 * 4  # one float32 (S, H, T) score tensor at the large size
     assert large < score_bytes / 4, (large, score_bytes)
@@ -147,6 +152,11 @@ def test_twin_temporaries_do_not_grow_with_s_times_t():
 
 def test_key_block_divides_t():
     assert [key_block(t) for t in (64, 192, 320, 4096, 100, 7)] == [64, 64, 64, 128, 64, 7]
+
+
+def test_query_block_aims_at_2_24_scores_a_step():
+    assert query_block(1, 32768, 128, 128) == 1024 and query_block(1, 32768, 16, 128) == 8192
+    assert query_block(4, 100, 16, 64) == 100 and query_block(8, 4096, 128, 128) == 256
 
 
 def test_bounds_classify_key_blocks():
@@ -257,6 +267,32 @@ def test_mosaic_lowers_for_cuda(b, s, h, t, kv_start, tiles):
     args = (jax.ShapeDtypeStruct((b, s, h, D_QK), jnp.bfloat16), jax.ShapeDtypeStruct((b, t, h, D_QK), jnp.bfloat16),
             jax.ShapeDtypeStruct((b, t, h, D_V), jnp.bfloat16), jax.ShapeDtypeStruct((b, s), jnp.int32))
     assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_mosaic_lowers_in_shard_map_for_cuda(check_vma):
+    """Heads split over the mesh, as tensor parallelism splits them in the model."""
+    mesh = jax.make_mesh((1,), ("mp",), devices=jax.devices()[:1])
+    heads = P(None, None, "mp")
+    specs = (heads, heads, heads, P())
+    f = jax.shard_map(functools.partial(flash_attention_mgpu, scale=0.1, kv_start=3), mesh=mesh, in_specs=specs,
+                      out_specs=heads, check_vma=check_vma)
+    shapes = [((2, 200, 16, D_QK), jnp.bfloat16), ((2, 512, 16, D_QK), jnp.bfloat16),
+              ((2, 512, 16, D_V), jnp.bfloat16), ((2, 200), jnp.int32)]
+    args = [jax.ShapeDtypeStruct(sh, dt, sharding=NamedSharding(mesh, sp)) for (sh, dt), sp in zip(shapes, specs)]
+    assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_auto_inside_shard_map_is_the_twin_off_hopper():
+    mesh = jax.make_mesh((2,), ("mp",), devices=jax.devices()[:2])
+    heads = P(None, None, "mp")
+    q, k, v = operands(seed("auto-shard"), 2, 40, 4, 128, jnp.bfloat16)
+    pos = ragged_positions(40, (80, 0))
+    f = jax.shard_map(functools.partial(flash_attention, scale=0.1), mesh=mesh, in_specs=(heads, heads, heads, P()),
+                      out_specs=heads)
+    want = flash_attention_ref(q, k, v, pos, scale=0.1)
+    placed = [jax.device_put(x, NamedSharding(mesh, sp)) for x, sp in zip((q, k, v, pos), (heads, heads, heads, P()))]
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(*placed), np.float32), np.asarray(want, np.float32))
 
 
 # ---------------------------------------------------------------- compiled on an sm_90 GPU
