@@ -32,7 +32,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
 
     The caller passes the key/value window with the chunk's own entries already in place (a
     cache window [0, T) or, in a full-sequence pass, the chunk itself with positions 0..S-1).
-    kv_start (static) hides keys before it; tiles: the Mosaic kernel's tiling (None: default).
+    scale: a Python float (> 0); kv_start (a static int) hides keys before it; tiles: the Mosaic
+    kernel's tiling (None: default).
     """
     _check(q, k, v, positions, scale, kv_start, impl)
     if impl == "auto":

@@ -8,8 +8,9 @@ holding more than one (block_q, block_kv) tile of scores, in registers:
     rows each, a third (producer) warpgroup streams key and value blocks of block_kv rows with TMA
     into a ring of `max_concurrent_steps` swizzled SMEM slots;
   * per key block: S = Q K^T by wgmma (d_qk 192 = three 64-wide swizzle tiles), the online-softmax
-    update in registers (exp2 with the scale and log2(e) folded into one multiply), then
-    O += P V by wgmma with P (bf16) straight from registers (d_v 128);
+    update in registers (exp2 with the scale and log2(e) folded into one multiply), then P V by
+    wgmma with P (bf16) straight from registers into a fresh accumulator (d_v 128), folded in as
+    O = O * alpha + P V;
   * the two compute warpgroups take turns on the tensor cores (a two-arrival "schedule" barrier,
     as in jax's attention_mgpu example): one runs its softmax while the other's wgmma runs;
   * causality by per-row positions: key t is visible to query (b, s) iff kv_start <= t <=
@@ -25,7 +26,8 @@ multiple of block_kv. The output staging buffer shares SMEM with Q (a `RefUnion`
 the warpgroup's last S = Q K^T is done, and this is what lets block_kv 128 with two slots fit.
 
 Without a GPU the kernel runs in Mosaic GPU's interpret mode (a CPU simulation of the warpgroups,
-TMA, barriers and wgmma): slow, for small test shapes.
+TMA, barriers and wgmma): slow, for small test shapes. The one difference there: P goes to the
+P V wgmma through SMEM, as the interpreter's wgmma reads its A operand from SMEM only.
 """
 from __future__ import annotations
 
