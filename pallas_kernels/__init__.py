@@ -7,18 +7,23 @@
     y = grouped_gemm_mgpu(x, w, group_sizes)                    # the same on wgmma (Mosaic GPU, bf16)
     h = grouped_gemm_swiglu(x, w1, w3, group_sizes)             # silu(x W1_g^T) * (x W3_g^T), one launch
     o = mla_decode(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_pe, scale=s)
+    o = flash_attention(q, k, v, positions, scale=s, kv_start=0)  # causal prefill, no (S, T) scores
     w, i = route(logits, bias, topk=k, n_groups=g, topk_groups=kg, score_func="sigmoid")  # MoE routing
 
 On an NVIDIA GPU the kernels compile through Pallas' Triton backend; on Hopper (sm_90) fp8_gemm at
-M >= 128 (gemm_mgpu; fp8_gemm_path says which) and grouped_gemm for prefill-sized steps (grouped_mgpu;
-grouped_gemm_backend says which) run on Pallas Mosaic GPU kernels (TMA, wgmma). On any other backend
-they run in Pallas interpret mode (same results, slowly). All are jit- and shard_map-compatible.
-`pallas_kernels.reference` holds plain-jnp twins used as the tests' oracle. The modules are named
-for what they do (quantize, dequantize, gemm, grouped, mla), so that each stays reachable beside
-the function it exports. FP8_BLOCK, FP8_DTYPE and cdiv are the one definition the model uses too.
+M >= 128 (gemm_mgpu; fp8_gemm_path says which), grouped_gemm for prefill-sized steps (grouped_mgpu;
+grouped_gemm_backend says which) and flash_attention (flash_attention_mgpu) run on Pallas Mosaic
+GPU kernels (TMA, wgmma). On any other backend they run in Pallas interpret mode (same results,
+slowly), except flash_attention, which runs its jnp twin there (an online softmax over key blocks).
+All are jit- and shard_map-compatible. `pallas_kernels.reference` holds plain-jnp twins used as the
+tests' oracle. The modules are named for what they do (quantize, dequantize, gemm, grouped, mla,
+flash_attention), so that each stays reachable beside the function it exports. FP8_BLOCK,
+FP8_DTYPE and cdiv are the one definition the model uses too.
 """
 from ._common import BLOCK as FP8_BLOCK, FP8 as FP8_DTYPE, cdiv, use_interpret
 from .dequantize import weight_dequant
+from .flash_attention import flash_attention
+from .flash_attention_mgpu import FlashTiles
 from .gemm import GemmConfig, fp8_gemm, fp8_gemm_path
 from .gemm_mgpu import MosaicGemmConfig
 from .grouped import grouped_gemm, grouped_gemm_backend, grouped_gemm_swiglu
@@ -27,6 +32,6 @@ from .mla import mla_decode
 from .quantize import act_quant
 from .router import route
 
-__all__ = ["FP8_BLOCK", "FP8_DTYPE", "GemmConfig", "MOSAIC_MIN_ROWS", "MosaicGemmConfig", "MosaicTiles", "act_quant",
-           "cdiv", "fp8_gemm", "fp8_gemm_path", "grouped_gemm", "grouped_gemm_backend", "grouped_gemm_mgpu",
-           "grouped_gemm_swiglu", "mla_decode", "route", "use_interpret", "weight_dequant"]
+__all__ = ["FP8_BLOCK", "FP8_DTYPE", "FlashTiles", "GemmConfig", "MOSAIC_MIN_ROWS", "MosaicGemmConfig", "MosaicTiles",
+           "act_quant", "cdiv", "flash_attention", "fp8_gemm", "fp8_gemm_path", "grouped_gemm", "grouped_gemm_backend",
+           "grouped_gemm_mgpu", "grouped_gemm_swiglu", "mla_decode", "route", "use_interpret", "weight_dequant"]

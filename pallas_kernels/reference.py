@@ -108,3 +108,19 @@ def route_ref(logits: jax.Array, bias: jax.Array | None = None, *, topk: int, n_
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return weights * route_scale, indices.astype(jnp.int32)
+
+
+def attention_dense_ref(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *, scale: float,
+                        kv_start: int = 0) -> jax.Array:
+    """`flash_attention` materialised: the whole (B, S, H, T) float32 score tensor, masked
+    (kv_start <= t <= positions[b, s]) and soft-maxed at once; rows that see no key give zeros.
+    O(S*T) memory: small shapes, and the baseline the flash kernels replace."""
+    t = k.shape[1]
+    s = jnp.einsum("bshd,bthd->bsht", q, k, preferred_element_type=jnp.float32) * scale
+    key = jnp.arange(t)
+    visible = (key[None, None, :] <= positions[:, :, None]) & (key >= kv_start)[None, None, :]
+    s = jnp.where(visible[:, :, None, :], s, -jnp.inf)
+    p = jnp.exp(s - jnp.maximum(s.max(axis=-1, keepdims=True), -jnp.finfo(jnp.float32).max))
+    total = p.sum(axis=-1, keepdims=True)
+    p = (p / jnp.where(total == 0.0, 1.0, total)).astype(v.dtype)
+    return jnp.einsum("bsht,bthd->bshd", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
