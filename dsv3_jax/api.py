@@ -15,19 +15,19 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from .cache import allocate_cache, cache_specs, cache_window
-from .checkpoint import CONFIG_HINT, ReferenceLayoutIndex, find_config, home_rank, load_state
+from .checkpoint.load import CONFIG_HINT, ReferenceLayoutIndex, find_config, home_rank, load_state
+from .checkpoint.orbax import OrbaxMTPIndex, has_array, is_orbax_checkpoint, restore_state
+from .checkpoint.safetensors import CheckpointError, TensorIndex
+from .checkpoint.schema import MTP_STATE, hf_name, mtp_probe, rank_files, with_gate_bias
 from .config import ModelArgs
-from .generate import generate
-from .model import Transformer
+from .decode.generate import generate
+from .decode.speculative import generate_mtp, make_mtp_steps
+from .model.cache import allocate_cache, cache_specs, cache_window
+from .model.rope import inverse_frequencies, rotary_angles
+from .model.transformer import Transformer
 from .options import RunOptions, StepContext
 from .progress import progress_bar
-from .orbax_io import OrbaxMTPIndex, has_array, is_orbax_checkpoint, restore_state
-from .rope import inverse_frequencies, rotary_angles
-from .safetensors_io import CheckpointError, TensorIndex
-from .schema import MTP_STATE, hf_name, mtp_probe, rank_files, with_gate_bias
 from .sharding import Layout, check_layout, make_mesh, named_shardings, partition_specs
-from .speculative import generate_mtp, make_mtp_steps
 
 
 def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, options: RunOptions,
@@ -145,9 +145,9 @@ class Model:
         """Complete each prompt (the reference's `generate`, rows advancing on their own positions).
 
         Completions stop before the first `eos_id` and after max_new_tokens; temperature 0 is greedy.
-        See `dsv3_jax.generate.generate` for the options. mtp=True decodes speculatively with the
+        See `dsv3_jax.decode.generate.generate` for the options. mtp=True decodes speculatively with the
         MTP module's drafts (same outputs when greedy, same distribution when sampling; see
-        `dsv3_jax.speculative`); `stats` (a dict) then receives the drafts' acceptance rate.
+        `dsv3_jax.decode.speculative`); `stats` (a dict) then receives the drafts' acceptance rate.
         """
         if mtp:
             self.mtp_steps  # noqa: B018 (the clear error of a model without MTP)

@@ -20,13 +20,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
+from .checkpoint.mtp import mtp_hf_tensors
+from .checkpoint.safetensors import save_file
+from .checkpoint.schema import hf_name, reference_names, stacked_axes
 from .config import ModelArgs
-from .model import Block, Transformer
-from .moe import MoE
-from .mtp import MTP, mtp_hf_tensors
+from .model.block import Block
+from .model.moe import MoE
+from .model.mtp import MTP
+from .model.rope import inverse_frequencies, rotary_angles
+from .model.transformer import Transformer
 from .options import RunOptions, StepContext
-from .rope import inverse_frequencies, rotary_angles
-from .schema import hf_name, reference_names, stacked_axes
 from .sharding import Layout, partition_specs
 
 # the run options of training: per-head keys and values (no cache to absorb into), ragged_dot experts
@@ -211,7 +214,6 @@ def write_checkpoint(directory: str | Path, hf_config: dict, tensors: dict[str, 
 
     The tensors go to `model.safetensors`, or, when they exceed `max_file_bytes`, to the hub's
     sharded layout (`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`)."""
-    from .safetensors_io import save_file
 
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv3_jax
-from dsv3_jax.chat import start_distributed
+from dsv3_jax.cli.distributed import start_distributed
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.options import add_flags, choices, from_flags
-from dsv3_jax.schema import abstract_state
+from dsv3_jax.checkpoint.schema import abstract_state
 from dsv3_jax.sharding import Layout, parameter_bytes_per_device
 
 

@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv3_jax
-from dsv3_jax.cache import cache_window
+from dsv3_jax.model.cache import cache_window
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.options import add_flags, from_flags
-from dsv3_jax.speculative import mtp_prefill
+from dsv3_jax.decode.speculative import mtp_prefill
 
 HELDOUT = Path(__file__).resolve().parent.parent / "data" / "pystdlib" / "tokens.npz"
 

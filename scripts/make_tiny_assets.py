@@ -26,7 +26,7 @@ import numpy as np
 import tokenizers
 
 from dsv3_jax.config import ModelArgs
-from dsv3_jax.schema import expected_tensors, hf_name
+from dsv3_jax.checkpoint.schema import expected_tensors, hf_name
 from dsv3_jax.tokenizer import ASSISTANT, BOS, EOS, USER, hf_tokenizer_config, train_byte_level_bpe
 
 OUT = Path(__file__).resolve().parents[1] / "dsv3_jax" / "assets" / "tiny"
@@ -168,7 +168,7 @@ def model_tensors(args: ModelArgs, embed: np.ndarray, head: np.ndarray, seed: in
     import jax.numpy as jnp
     from flax import nnx
 
-    from dsv3_jax.model import Transformer
+    from dsv3_jax.model.transformer import Transformer
 
     abstract = nnx.eval_shape(lambda: Transformer(args, param_dtype=jnp.float32))
     _, state = nnx.split(abstract)
@@ -198,7 +198,7 @@ def model_tensors(args: ModelArgs, embed: np.ndarray, head: np.ndarray, seed: in
 
 
 def make_assets(out: Path) -> None:
-    from dsv3_jax.safetensors_io import save_file
+    from dsv3_jax.checkpoint.safetensors import save_file
 
     pairs = chats()
     tokenizer = train_tokenizer(pairs)

@@ -327,7 +327,7 @@ def train(opts: argparse.Namespace) -> dict:
 
     if not opts.no_reload_check:  # the written checkpoint, loaded like any other, gives the same held-out loss
         import dsv3_jax
-        from dsv3_jax.mtp import load_mtp
+        from dsv3_jax.checkpoint.mtp import load_mtp
 
         loaded = dsv3_jax.load(out, compute_dtype=opts.dtype, max_seq_len=opts.seq + 1, max_batch_size=opts.eval_batch)
         mtp = load_mtp(out, loaded.args, param_dtype=compute)

@@ -34,9 +34,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from .config import ModelArgs
-from .safetensors_io import CheckpointError
-from .sharding import Layout, partition_specs
+from ..config import ModelArgs
+from ..sharding import Layout, partition_specs
+from .safetensors import CheckpointError
 
 STATE_DIR = "state"
 MTP_KEY = "mtp"

@@ -25,9 +25,9 @@ from flax import nnx
 
 from pallas_kernels import FP8_DTYPE
 
-from .config import ModelArgs
-from .model import Transformer
-from .safetensors_io import CheckpointError
+from ..config import ModelArgs
+from ..model.transformer import Transformer
+from .safetensors import CheckpointError
 
 HF_CONFIG = "config.json"
 HF_INDEX = "model.safetensors.index.json"

@@ -1,7 +1,7 @@
 """What the three checkpoint tools share: the command-line wrapper, the staging directory that is
 renamed into place only when everything is written, reading tensors out of memory-mapped files,
 and the check of a Hugging Face checkpoint against the model its config describes
-(`dsv3_jax.schema`, the same check the loader makes).
+(`dsv3_jax.checkpoint.schema`, the same check the loader makes).
 
 Memory: tensors are read from memory-mapped files one at a time and copied out only as far as
 the output needs; `read_tensor` drops the file mapping after each copy so that pages touched in
@@ -20,11 +20,11 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..cli import run_cli
+from ..checkpoint.safetensors import SafetensorsFile, TensorIndex
+from ..checkpoint.schema import HF_CONFIG, CheckedTensors, check_tensors
+from ..cli.common import run_cli
 from ..config import ModelArgs
 from ..progress import progress_bar
-from ..safetensors_io import SafetensorsFile, TensorIndex
-from ..schema import HF_CONFIG, CheckedTensors, check_tensors
 
 TOKENIZER_GLOB = "*token*"  # tokenizer.json, tokenizer_config.json, tokenizer.model, ... (as the reference)
 

@@ -26,9 +26,9 @@ from tqdm import tqdm
 
 from pallas_kernels import FP8_BLOCK, cdiv, weight_dequant
 
-from ..cli import ArgumentParser
-from ..safetensors_io import CheckpointError, SafetensorsWriter
-from ..schema import FP8, HF_CONFIG, HF_INDEX
+from ..checkpoint.safetensors import CheckpointError, SafetensorsWriter
+from ..checkpoint.schema import FP8, HF_CONFIG, HF_INDEX
+from ..cli.common import ArgumentParser
 from .common import (ToolError, check_output_path, check_source, load_hf_config, progress, read_tensor, run_tool,
                      staging_directory)
 

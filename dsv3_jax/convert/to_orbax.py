@@ -18,10 +18,10 @@ from pathlib import Path
 
 from flax import nnx
 
-from ..cli import ArgumentParser
-from ..orbax_io import MTP_KEY, STATE_DIR, StreamedArray, save_streamed
-from ..safetensors_io import CheckpointError
-from ..schema import HF_CONFIG, CheckedTensors, abstract_state, hf_name, reference_names, stacked_axes
+from ..checkpoint.orbax import MTP_KEY, STATE_DIR, StreamedArray, save_streamed
+from ..checkpoint.safetensors import CheckpointError
+from ..checkpoint.schema import HF_CONFIG, CheckedTensors, abstract_state, hf_name, reference_names, stacked_axes
+from ..cli.common import ArgumentParser
 from .common import (check_output_path, check_source, copy_tokenizer_files, load_hf_config, progress, read_tensor,
                      run_tool, staging_directory)
 

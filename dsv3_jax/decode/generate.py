@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import cache_window
+from ..model.cache import cache_window
 
 MIN_PREFILL_BUCKET = 16
 

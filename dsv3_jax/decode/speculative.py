@@ -32,12 +32,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from .cache import cache_specs
-from .config import ModelArgs
+from ..config import ModelArgs
+from ..model.cache import cache_specs
+from ..model.rope import inverse_frequencies, rotary_angles
+from ..options import RunOptions, StepContext
+from ..sharding import Layout
 from .generate import Plan, Timing, _check_options, _check_prompts, distribution, draw
-from .options import RunOptions, StepContext
-from .rope import inverse_frequencies, rotary_angles
-from .sharding import Layout
 
 
 class SpecState(NamedTuple):

@@ -14,9 +14,9 @@ from flax import nnx
 
 from pallas_kernels import mla_decode
 
-from .config import ModelArgs
+from ..config import ModelArgs
+from ..options import StepContext
 from .layers import Linear, RMSNorm
-from .options import StepContext
 from .rope import apply_rotary
 
 

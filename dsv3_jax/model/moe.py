@@ -18,9 +18,9 @@ from pallas_kernels import FP8_BLOCK, MOSAIC_MIN_ROWS, act_quant, grouped_gemm, 
 from pallas_kernels.reference import route_ref, weight_dequant_ref
 from pallas_kernels.router import route
 
-from .config import ModelArgs
+from ..config import ModelArgs
+from ..options import StepContext
 from .layers import Linear, init_normal, param
-from .options import StepContext
 
 
 class MLP(nnx.Module):

@@ -1,4 +1,4 @@
-"""Block and Transformer: the DeepSeek-V3 forward pass for the shard that one rank holds.
+"""Transformer: the DeepSeek-V3 forward pass for the shard that one rank holds.
 
 Layers of one kind are stacked (leading layer axis on every parameter) and run by `jax.lax.scan`,
 so compile time does not grow with depth: the dense-MLP layers form one stack, the MoE layers
@@ -11,61 +11,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import MLA, write_cache, write_layer_cache
-from .config import ModelArgs
+from ..config import ModelArgs
+from ..options import StepContext
+from ..sharding import Layout
+from .attention import write_cache, write_layer_cache
+from .block import Block, run_stack
 from .layers import Linear, ParallelEmbedding, RMSNorm
-from .moe import MLP, MoE
-from .options import StepContext
-from .sharding import Layout
-
-
-class Block(nnx.Module):
-    """h = x + attn(attn_norm(x)); out = h + ffn(ffn_norm(h)), with a dense MLP or an MoE as ffn."""
-
-    def __init__(self, args: ModelArgs, *, moe: bool, stack: tuple[int, ...] = (), param_dtype=jnp.bfloat16,
-                 rngs: nnx.Rngs | None = None):
-        self.attn = MLA(args, stack=stack, param_dtype=param_dtype, rngs=rngs)
-        if moe:
-            self.ffn = MoE(args, stack=stack, param_dtype=param_dtype, rngs=rngs)
-        else:
-            self.ffn = MLP(args.dim, args.inter_dim, stack=stack, param_dtype=param_dtype, fp8=args.quantized,
-                           rngs=rngs)
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps, stack=stack)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, stack=stack)
-
-    def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict, layer, stack_index=None):
-        """-> (block output, this layer's new cache entries). `layer` (the model's layer number)
-        indexes the cache; `stack_index` (the layer's place in its stack) the routed-expert weight
-        stack, when the experts hold every layer of their stack."""
-        with jax.named_scope("attn_norm"):
-            normed = self.attn_norm(x)
-        with jax.named_scope("attention"):
-            attn_out, entries = self.attn(normed, ctx, cache, layer)
-        h = x + attn_out
-        with jax.named_scope("ffn_norm"):
-            normed = self.ffn_norm(h)
-        if isinstance(self.ffn, MoE):
-            ffn_out = self.ffn(normed, ctx, stack_index)
-        else:
-            with jax.named_scope("mlp"):
-                ffn_out = self.ffn(normed, ctx, reduce=True)
-        return h + ffn_out, entries
-
-
-def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict, first_layer: int):
-    """Apply the stacked layers in order with `jax.lax.scan` (cache rows indexed by global layer);
-    returns the output and the stacked new cache entries (depth, B, S, ...)."""
-    # routed experts stay whole (the grouped kernel indexes the layer); everything else is scanned over
-    graphdef, routed, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
-    depth = jax.tree.leaves(rest)[0].shape[0]
-    has_routed = bool(jax.tree.leaves(routed))
-
-    def one_layer(h, xs):
-        layer_state, index = xs
-        block = nnx.merge(graphdef, routed, layer_state)
-        return block(h, ctx, cache, first_layer + index, index if has_routed else None)
-
-    return jax.lax.scan(one_layer, x, (rest, jnp.arange(depth)), unroll=depth if ctx.options.unroll else 1)
+from .mtp import MTP
 
 
 class Transformer(nnx.Module):
@@ -81,11 +33,8 @@ class Transformer(nnx.Module):
         self.n_dense_layers = args.n_dense_layers
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = Linear(args.dim, args.vocab_size, axes=("vocab_out", "embed"), param_dtype=param_dtype, rngs=rngs)
-        if mtp:  # the multi-token-prediction module (layer n_layers of the checkpoint and of the cache)
-            from .mtp import MTP
-            self.mtp = MTP(args, param_dtype=param_dtype, rngs=rngs)
-        else:
-            self.mtp = None
+        # the multi-token-prediction module (layer n_layers of the checkpoint and of the cache)
+        self.mtp = MTP(args, param_dtype=param_dtype, rngs=rngs) if mtp else None
         self.n_layers = args.n_layers
 
     def hidden(self, tokens: jnp.ndarray, ctx: StepContext, cache: dict) -> tuple[jnp.ndarray, dict]:
