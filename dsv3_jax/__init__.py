@@ -1,8 +1,9 @@
 """dsv3-jax: DeepSeek-V3 inference in JAX (Flax NNX modules, shard_map TP+EP, Pallas fp8 kernels)."""
-from .api import Model, build, load, make_step
-from .checkpoint.safetensors import CheckpointError
+from .api import Model, build, load
 from .config import ConfigError, ModelArgs
 from .decode import generate
+from .decode.step import make_step
+from .errors import CheckpointError
 from .model.cache import cache_window
 from .options import RunOptions
 

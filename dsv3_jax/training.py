@@ -10,8 +10,6 @@ layer loop is written out here, so that each MoE layer's expert loads come back 
 """
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import jax
@@ -21,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .checkpoint.mtp import mtp_hf_tensors
-from .checkpoint.safetensors import save_file
+from .checkpoint.export import write_hf_checkpoint as write_checkpoint
 from .checkpoint.schema import hf_name, reference_names, stacked_axes
 from .config import ModelArgs
 from .model.block import Block
@@ -205,50 +203,6 @@ def checkpoint_tensors(tm: TrainModel, args: ModelArgs, *, mtp_copies: bool = Tr
         head = tensors["lm_head.weight"] if mtp_copies else None
         tensors.update(mtp_hf_tensors(nnx.split(tm.mtp[0])[1], args, embed, head))
     return tensors
-
-
-def write_checkpoint(directory: str | Path, hf_config: dict, tensors: dict[str, np.ndarray],
-                     tokenizer_dir: str | Path | None = None, extra_files: dict[str, str] | None = None,
-                     max_file_bytes: int = 15 * 2**20) -> Path:
-    """config.json + the tensors (+ tokenizer files), written to a temporary directory and renamed.
-
-    The tensors go to `model.safetensors`, or, when they exceed `max_file_bytes`, to the hub's
-    sharded layout (`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`)."""
-
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = directory.with_name(directory.name + ".partial")
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
-    (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, array in tensors.items():
-        if shards[-1] and size + array.nbytes > max_file_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = array
-        size += array.nbytes
-    if len(shards) == 1:
-        save_file(shards[0], staging / "model.safetensors", metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, staging / filename, metadata={"format": "pt"})
-            weight_map.update({name: filename for name in shard})
-        index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))}, "weight_map": weight_map}
-        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
-    if tokenizer_dir is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copyfile(Path(tokenizer_dir) / name, staging / name)
-    for name, text in (extra_files or {}).items():
-        (staging / name).write_text(text)
-    if directory.exists():
-        shutil.rmtree(directory)
-    staging.rename(directory)
-    return directory
 
 
 def param_count(tree) -> int:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from dsv3_jax.checkpoint.safetensors import CheckpointError
+from dsv3_jax.errors import CheckpointError
 from fp8_checkpoints import save_fp8
 from hf_models import hf_model, hf_step_logits
 

@@ -14,11 +14,11 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 import dsv3_jax
-from dsv3_jax.model.cache import cache_specs
 from dsv3_jax.config import ModelArgs
-from dsv3_jax.options import StepContext
+from dsv3_jax.errors import CheckpointError
+from dsv3_jax.model.cache import cache_specs
 from dsv3_jax.model.rope import inverse_frequencies, rotary_angles
-from dsv3_jax.checkpoint.safetensors import CheckpointError
+from dsv3_jax.options import StepContext
 from dsv3_jax.sharding import partition_specs
 from hf_models import V3_TINY, hf_model, save
 

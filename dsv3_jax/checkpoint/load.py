@@ -17,8 +17,9 @@ from jax.sharding import Mesh, NamedSharding
 from pallas_kernels import cdiv
 
 from ..config import ModelArgs
+from ..errors import CheckpointError
 from ..progress import progress_bar
-from .safetensors import CheckpointError, SafetensorsFile, TensorIndex
+from .safetensors import SafetensorsFile, TensorIndex
 from .schema import HF_CONFIG, check_tensors, hf_name, rank_files, reference_names, routed_expert, split_dim, \
     stacked_axes
 from ..sharding import Layout, partition_specs

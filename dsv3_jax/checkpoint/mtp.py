@@ -14,8 +14,9 @@ import numpy as np
 from flax import nnx
 
 from ..config import ModelArgs
+from ..errors import CheckpointError
 from ..model.mtp import MTP
-from .safetensors import CheckpointError, TensorIndex
+from .safetensors import TensorIndex
 from .schema import hf_name
 
 

@@ -18,12 +18,13 @@ from pathlib import Path
 
 from flax import nnx
 
-from ..checkpoint.orbax import MTP_KEY, STATE_DIR, StreamedArray, save_streamed
-from ..checkpoint.safetensors import CheckpointError
-from ..checkpoint.schema import HF_CONFIG, CheckedTensors, abstract_state, hf_name, reference_names, stacked_axes
+from ..checkpoint.export import check_output_path, staging_directory
+from ..checkpoint.orbax import STATE_DIR, StreamedArray, save_streamed
+from ..checkpoint.schema import (HF_CONFIG, MTP_STATE, CheckedTensors, abstract_state, hf_name, reference_names,
+                                 stacked_axes)
 from ..cli.common import ArgumentParser
-from .common import (check_output_path, check_source, copy_tokenizer_files, load_hf_config, progress, read_tensor,
-                     run_tool, staging_directory)
+from ..errors import CheckpointError
+from .common import check_source, copy_tokenizer_files, load_hf_config, progress, read_tensor, run_tool
 
 EXTRA_FILES = ("generation_config.json",)
 
@@ -77,7 +78,7 @@ def to_orbax(hf_ckpt_path: Path, save_path: Path) -> None:
         nest(tree, key, streamed(source, blocks, shape, (1,) * axes + shape[axes:], "/".join(key), bar))
     for name in source.mtp:
         shape = tuple(source.index.shape(name))
-        keys = (MTP_KEY, *name.removeprefix("model.").split("."))
+        keys = (MTP_STATE, *name.removeprefix("model.").split("."))
         nest(tree, keys, streamed(source, [((), name)], shape, shape, name, bar))
 
     with staging_directory(save_path) as staging:

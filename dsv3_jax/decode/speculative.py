@@ -30,14 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from ..config import ModelArgs
-from ..model.cache import cache_specs
-from ..model.rope import inverse_frequencies, rotary_angles
-from ..options import RunOptions, StepContext
+from ..model.transformer import step_context
 from ..sharding import Layout
 from .generate import Plan, Timing, _check_options, _check_prompts, distribution, draw
+from .step import StepParts
 
 
 class SpecState(NamedTuple):
@@ -67,20 +65,18 @@ def _draft(model, y: jax.Array, temperature, key, top_k: int, top_p: float, layo
     return token, q
 
 
-def make_mtp_steps(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, options: RunOptions,
-                   layout: Layout):
+def make_mtp_steps(parts: StepParts):
     """The jitted MTP prefill and speculative step of a model with an MTP module (cache donated);
-    `layout` must not split the batch (every device holds every row's state).
+    `parts.layout` must not split the batch (every device holds every row's state).
 
     prefill(state, cache, tokens, lengths, budgets, seed, temperature, eos_id, *, kv_len, top_k, top_p)
         -> (SpecState, cache);  step(state, cache, spec_state, *, kv_len, top_k, top_p) -> (SpecState, cache).
     """
-    inv_freq = inverse_frequencies(args)
-    c_specs = cache_specs(options.attn_impl, layout)
+    graphdef, state_specs, args, mesh, options, layout = parts
+    c_specs = parts.cache_specs
 
     def context(positions, kv_len, kv_start=0):
-        cos, sin = rotary_angles(positions, inv_freq, args.rope_attention_factor)
-        return StepContext(positions, cos, sin, kv_len, options, args.scale_fmt, kv_start, layout)
+        return step_context(args, positions, kv_len, options, layout, kv_start)
 
     def local_prefill(state, cache, tokens, lengths, budgets, seed, temperature, eos_id, *, kv_len, top_k, top_p):
         model = nnx.merge(graphdef, state)

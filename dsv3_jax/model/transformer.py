@@ -12,12 +12,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import ModelArgs
-from ..options import StepContext
+from ..options import RunOptions, StepContext
 from ..sharding import Layout
 from .attention import write_cache, write_layer_cache
 from .block import Block, run_stack
 from .layers import Linear, ParallelEmbedding, RMSNorm
 from .mtp import MTP
+from .rope import inverse_frequencies, rotary_angles
+
+
+def step_context(args: ModelArgs, positions: jnp.ndarray, kv_len: int, options: RunOptions, layout: Layout,
+                 kv_start: int = 0, valid: jnp.ndarray | None = None) -> StepContext:
+    """The context of one forward pass over tokens at `positions` (B, S): their rotary angles, the
+    cache window [kv_start, kv_len) attention reads, and how the pass is run and split."""
+    cos, sin = rotary_angles(positions, inverse_frequencies(args), args.rope_attention_factor)
+    return StepContext(positions, cos, sin, kv_len, options, args.scale_fmt, kv_start, layout, valid)
 
 
 class Transformer(nnx.Module):
