@@ -20,7 +20,7 @@ from .checkpoint.safetensors import TensorIndex
 from .checkpoint.schema import MTP_STATE, hf_name, mtp_probe, rank_files, with_gate_bias
 from .config import ModelArgs
 from .decode.generate import generate
-from .decode.speculative import generate_mtp, make_mtp_steps
+from .decode.speculative import make_mtp_steps
 from .decode.step import StepParts, make_step
 from .errors import CheckpointError
 from .model.cache import allocate_cache, cache_window
@@ -101,12 +101,8 @@ class Model:
         MTP module's drafts (same outputs when greedy, same distribution when sampling; see
         `dsv3_jax.decode.speculative`); `stats` (a dict) then receives the drafts' acceptance rate.
         """
-        if mtp:
-            self.mtp_steps  # noqa: B018 (the clear error of a model without MTP)
-            return generate_mtp(self, prompt_tokens, max_new_tokens, eos_id, temperature, seed, top_k=top_k,
-                                top_p=top_p, on_tokens=on_tokens, stats=stats)
         return generate(self, prompt_tokens, max_new_tokens, eos_id, temperature, seed, top_k=top_k, top_p=top_p,
-                        on_tokens=on_tokens)
+                        on_tokens=on_tokens, mtp=mtp, stats=stats)
 
 
 def _run_options(options: RunOptions | None, dtype: str | None, choices: dict) -> RunOptions:

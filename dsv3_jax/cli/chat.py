@@ -29,7 +29,6 @@ import jax
 
 from ..api import load
 from ..decode.generate import Plan, Timing, generate, warm_up
-from ..decode.speculative import generate_mtp, warm_up_mtp
 from ..options import add_flags, from_flags
 from ..tokenizer import Tokenizer
 from .common import ArgumentParser, UsageError, run_cli
@@ -189,7 +188,7 @@ def run_interactive(args: argparse.Namespace, console: Console) -> None:
         """Compile the prefill of a new prompt-length bucket before the turn is timed."""
         bucket = Plan.make([len(prompt)], args.max_new_tokens, args.max_seq_len, window=args.max_seq_len).bucket
         if bucket not in compiled_buckets:
-            warm_up_for(args)(model, [len(prompt)], args.max_new_tokens, **options)
+            warm_up(model, [len(prompt)], args.max_new_tokens, mtp=args.mtp, **options)
             compiled_buckets.add(bucket)
 
     compile_for(prompt_ids(tokenizer, "Hello!"))
@@ -216,9 +215,9 @@ def run_interactive(args: argparse.Namespace, console: Console) -> None:
             continue
         compile_for(prompt)
         printer, timing = StreamPrinter(tokenizer, console), Timing()
-        completion = generate_for(args)(model, [prompt], args.max_new_tokens, tokenizer.eos_id, args.temperature,
-                                        args.seed + turn, on_tokens=printer if console.leader else None,
-                                        timing=timing, **options)[0]
+        completion = generate(model, [prompt], args.max_new_tokens, tokenizer.eos_id, args.temperature,
+                              args.seed + turn, on_tokens=printer if console.leader else None,
+                              timing=timing, mtp=args.mtp, **options)[0]
         answer = printer.finish(completion)
         console.write(f"{timing}\n")
         note_cut(console, args, "the answer", prompt, completion)
@@ -255,24 +254,14 @@ def run_batch(args: argparse.Namespace, console: Console) -> None:
         if len(ids) >= args.max_seq_len:
             raise ChatError(f"prompt {number} ({prompt[:40]!r}) has {len(ids)} tokens and leaves no room for a "
                             f"completion within --max-seq-len={args.max_seq_len}")
-    warm_up_for(args)(model, [len(t) for t in tokens], args.max_new_tokens, top_k=args.top_k, top_p=args.top_p)
+    warm_up(model, [len(t) for t in tokens], args.max_new_tokens, top_k=args.top_k, top_p=args.top_p, mtp=args.mtp)
     timing = Timing()
-    completions = generate_for(args)(model, tokens, args.max_new_tokens, tokenizer.eos_id, args.temperature,
-                                     args.seed, top_k=args.top_k, top_p=args.top_p, timing=timing)
+    completions = generate(model, tokens, args.max_new_tokens, tokenizer.eos_id, args.temperature,
+                           args.seed, top_k=args.top_k, top_p=args.top_p, timing=timing, mtp=args.mtp)
     for number, (prompt, ids, completion) in enumerate(zip(prompts, tokens, completions), 1):
         console.write(f"Prompt: {prompt}\nCompletion: {tokenizer.decode(completion)}\n\n")
         note_cut(console, args, f"completion {number}", ids, completion)
     console.note(str(timing))
-
-
-def generate_for(args: argparse.Namespace):
-    """The generation loop the flags ask for: speculative with --mtp, plain otherwise."""
-    return generate_mtp if args.mtp else generate
-
-
-def warm_up_for(args: argparse.Namespace):
-    """The compile-ahead that goes with `generate_for(args)`."""
-    return warm_up_mtp if args.mtp else warm_up
 
 
 def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -297,13 +286,13 @@ def run_complete(args: argparse.Namespace, console: Console) -> None:
     if len(ids) >= args.max_seq_len:
         raise ChatError(f"the prompt has {len(ids)} tokens and leaves no room for a completion within "
                         f"--max-seq-len={args.max_seq_len}")
-    warm_up_for(args)(model, [len(ids)], args.max_new_tokens, top_k=args.top_k, top_p=args.top_p)
+    warm_up(model, [len(ids)], args.max_new_tokens, top_k=args.top_k, top_p=args.top_p, mtp=args.mtp)
     console.write(text)
     printer = StreamPrinter(tokenizer, console)
     timing = Timing()
-    completion = generate_for(args)(model, [ids], args.max_new_tokens, tokenizer.eos_id, args.temperature,
-                                    args.seed, top_k=args.top_k, top_p=args.top_p,
-                                    on_tokens=printer if console.leader else None, timing=timing)[0]
+    completion = generate(model, [ids], args.max_new_tokens, tokenizer.eos_id, args.temperature,
+                          args.seed, top_k=args.top_k, top_p=args.top_p,
+                          on_tokens=printer if console.leader else None, timing=timing, mtp=args.mtp)[0]
     printer.finish(completion)
     note_cut(console, args, "the completion", ids, completion)
     console.note(str(timing))

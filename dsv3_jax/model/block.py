@@ -30,10 +30,12 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, stack=stack)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, stack=stack)
 
-    def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict, layer, stack_index=None):
-        """-> (block output, this layer's new cache entries). `layer` (the model's layer number)
-        indexes the cache; `stack_index` (the layer's place in its stack) the routed-expert weight
-        stack, when the experts hold every layer of their stack."""
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict | None, layer, stack_index=None, *,
+                 loads: bool = False):
+        """-> (block output, this layer's new cache entries), and with `loads` the routed experts'
+        loads (E,) (None for a dense block). `layer` (the model's layer number) indexes the cache
+        (None: no cache, the chunk attends to itself); `stack_index` (the layer's place in its
+        stack) the routed-expert weight stack, when the experts hold every layer of their stack."""
         with jax.named_scope("attn_norm"):
             normed = self.attn_norm(x)
         with jax.named_scope("attention"):
@@ -41,17 +43,23 @@ class Block(nnx.Module):
         h = x + attn_out
         with jax.named_scope("ffn_norm"):
             normed = self.ffn_norm(h)
+        expert_loads = None
         if isinstance(self.ffn, MoE):
-            ffn_out = self.ffn(normed, ctx, stack_index)
+            ffn_out = self.ffn(normed, ctx, stack_index, loads=loads)
+            if loads:
+                ffn_out, expert_loads = ffn_out
         else:
             with jax.named_scope("mlp"):
                 ffn_out = self.ffn(normed, ctx, reduce=True)
-        return h + ffn_out, entries
+        return (h + ffn_out, entries, expert_loads) if loads else (h + ffn_out, entries)
 
 
-def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict, first_layer: int):
+def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None, first_layer: int, *,
+              loads: bool = False, remat: bool = False):
     """Apply the stacked layers in order with `jax.lax.scan` (cache rows indexed by global layer);
-    returns the output and the stacked new cache entries (depth, B, S, ...)."""
+    returns the output and the stacked new cache entries (depth, B, S, ...), and with `loads` the
+    stacked expert loads (depth, E) (None for dense layers). `remat` recomputes each layer's
+    activations in the backward pass instead of keeping them (training)."""
     # routed experts stay whole (the grouped kernel indexes the layer); everything else is scanned over
     graphdef, routed, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
     depth = jax.tree.leaves(rest)[0].shape[0]
@@ -60,6 +68,10 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict, first
     def one_layer(h, xs):
         layer_state, index = xs
         block = nnx.merge(graphdef, routed, layer_state)
-        return block(h, ctx, cache, first_layer + index, index if has_routed else None)
+        out = block(h, ctx, cache, first_layer + index, index if has_routed else None, loads=loads)
+        return out[0], out[1:]
 
-    return jax.lax.scan(one_layer, x, (rest, jnp.arange(depth)), unroll=depth if ctx.options.unroll else 1)
+    if remat:
+        one_layer = jax.checkpoint(one_layer)
+    h, stacked = jax.lax.scan(one_layer, x, (rest, jnp.arange(depth)), unroll=depth if ctx.options.unroll else 1)
+    return (h, *stacked)

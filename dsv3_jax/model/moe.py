@@ -288,7 +288,8 @@ class MoE(nnx.Module):
                                    param_dtype=param_dtype, fp8=args.quantized, rngs=rngs, hidden="shared_ffn")
                                if args.n_shared_experts else None)
 
-    def __call__(self, x: jnp.ndarray, ctx: StepContext, stack_index=None) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, stack_index=None, *, loads: bool = False):
+        """-> the output, the shape of x; with `loads`, also the tokens each routed expert received (E,)."""
         layout = ctx.layout
         shape = x.shape
         local = x.reshape(-1, shape[-1])
@@ -313,4 +314,8 @@ class MoE(nnx.Module):
         if self.shared_experts is not None and not shared_joins:
             with jax.named_scope("shared_experts"):
                 y = y + self.shared_experts(local, ctx, reduce=True).astype(jnp.float32)
-        return y.astype(x.dtype).reshape(shape)
+        y = y.astype(x.dtype).reshape(shape)
+        if not loads:
+            return y
+        counted = indices.reshape(-1)  # padding rows' -1 count for no expert
+        return y, jnp.bincount(counted, weights=(counted >= 0).astype(jnp.int32), length=self.gate.weight.shape[-2])

@@ -41,7 +41,8 @@ class MTP(nnx.Module):
         return self.eh_proj(x, **ctx.gemm)
 
     def __call__(self, embedded_next: jnp.ndarray, hidden: jnp.ndarray, ctx: StepContext, cache: dict | None = None,
-                 layer=0) -> jnp.ndarray:
-        """Normalised output (B, S, dim) for the main head; ctx.positions are those of t_{i+1}."""
-        y, _ = self.block(self.inputs(embedded_next, hidden, ctx), ctx, cache, layer)
-        return self.shared_head.norm(y)
+                 layer=0, *, loads: bool = False):
+        """-> (normalised output (B, S, dim) for the main head, the block's new cache entries), and
+        with `loads` the block's expert loads (as `Block`); ctx.positions are those of t_{i+1}."""
+        y, *rest = self.block(self.inputs(embedded_next, hidden, ctx), ctx, cache, layer, loads=loads)
+        return (self.shared_head.norm(y), *rest)

@@ -46,23 +46,28 @@ class Transformer(nnx.Module):
         self.mtp = MTP(args, param_dtype=param_dtype, rngs=rngs) if mtp else None
         self.n_layers = args.n_layers
 
-    def hidden(self, tokens: jnp.ndarray, ctx: StepContext, cache: dict) -> tuple[jnp.ndarray, dict]:
+    def hidden(self, tokens: jnp.ndarray, ctx: StepContext, cache: dict | None, *, loads: bool = False,
+               remat: bool = False):
         """tokens (B, S) -> the final-normed hidden states (B, S, dim), what the head sees, and the
-        cache with this chunk's entries of every main layer stored."""
+        cache with this chunk's entries of every main layer stored (None: no cache, each chunk
+        attends to itself, as in training). With `loads`, also the MoE layers' expert loads
+        (n_moe_layers, E), or None; `remat` as in `run_stack`."""
         with jax.named_scope("embed"):
             h = self.embed(tokens, ctx.layout)
-        entries = []
+        entries, moe_loads = [], None
         for stack, first, name in ((self.dense_layers, 0, "dense_layers"),
                                    (self.moe_layers, self.n_dense_layers, "moe_layers")):
             if stack is not None:
                 with jax.named_scope(name):
-                    h, new = run_stack(stack, h, ctx, cache, first)
+                    h, new, *stack_loads = run_stack(stack, h, ctx, cache, first, loads=loads, remat=remat)
                 entries.append(new)
-        with jax.named_scope("cache_write"):
-            cache = write_cache(cache, jax.tree.map(lambda *e: jnp.concatenate(e), *entries), ctx.positions)
+                moe_loads = stack_loads[0] if stack is self.moe_layers and loads else moe_loads
+        if cache is not None:
+            with jax.named_scope("cache_write"):
+                cache = write_cache(cache, jax.tree.map(lambda *e: jnp.concatenate(e), *entries), ctx.positions)
         with jax.named_scope("norm"):
             h = self.norm(h)
-        return h, cache
+        return (h, cache, moe_loads) if loads else (h, cache)
 
     def logits(self, h: jnp.ndarray, layout: Layout) -> jnp.ndarray:
         """Normed hidden states (B, ..., dim) -> float32 logits (B, ..., vocab), the vocabulary
@@ -84,10 +89,8 @@ class Transformer(nnx.Module):
         n_layers. The MTP cache holds no position 0 (the module first runs at position 1):
         `ctx.kv_start` must be 1."""
         with jax.named_scope("mtp"):
-            x = self.mtp.inputs(self.embed(tokens, ctx.layout), hidden, ctx)
-            y, entries = self.mtp.block(x, ctx, cache, self.n_layers)
-            cache = write_layer_cache(cache, entries, ctx.positions, self.n_layers)
-            return self.mtp.shared_head.norm(y), cache
+            y, entries = self.mtp(self.embed(tokens, ctx.layout), hidden, ctx, cache, self.n_layers)
+            return y, write_layer_cache(cache, entries, ctx.positions, self.n_layers)
 
     def __call__(self, tokens: jnp.ndarray, ctx: StepContext, cache: dict,
                  last_index: jnp.ndarray) -> tuple[jnp.ndarray, dict]:
