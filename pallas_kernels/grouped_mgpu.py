@@ -4,8 +4,8 @@
 but through the Mosaic GPU backend: TMA copies x and w tiles into swizzled shared memory, a
 pipelined K loop (`plgpu.emit_pipeline`, `max_concurrent_steps` tiles in flight) feeds bf16
 wgmma with a float32 register accumulator, and a persistent grid (one program per SM) walks
-the (row tile, column tile) pairs. The Triton kernel issues mma.sync on 64x128 tiles and
-reaches ~240 TFLOP/s at prefill on an H200; wgmma on 128x128 tiles is what Hopper needs.
+the (row tile, column tile) pairs. The Triton kernel issues mma.sync on 64x128 tiles, which
+leaves Hopper's tensor cores short of their peak; wgmma on 128x128 tiles is what Hopper needs.
 
 Only the experts in use are read: the tiles come from `aligned_tile_schedule`, computed in XLA
 and read by the kernel from global memory. A tile is one group's rows within one block of
@@ -37,7 +37,7 @@ from ._common import BLOCK, FP8, SHARED_MEMORY_BYTES, cdiv, fail, match_vma, num
 
 _FN = "grouped_gemm_mgpu"
 MOSAIC_MIN_ROWS = 1024  # dispatch: steps with more rows than this (prefill) take the wgmma kernel
-MOSAIC_AUTO_FP8 = False  # dispatch: fp8 weights stay on Triton under "auto" until Mosaic is measured faster
+MOSAIC_AUTO_FP8 = False  # dispatch: fp8 weights stay on Triton under "auto" (Mosaic is not the faster one for them)
 
 
 @dataclasses.dataclass(frozen=True)

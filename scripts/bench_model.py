@@ -2,7 +2,7 @@
 
 For every decode figure it prints the memory floor beside it: the bytes a step must read (active
 weights plus the cache actually attended) over the H200's measured HBM copy rate (4.3 TB/s), and
-over the rate of a jitted `a + 1` copy measured in the same run (noisy, 2.5-3.6 TB/s). Writes
+over the rate of a jitted `a + 1` copy measured in the same run (noisy). Writes
 benchmarks/model-<gpu>-<config>.json and .md.
 
     python scripts/bench_model.py --config configs/config_16B.json

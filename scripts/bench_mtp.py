@@ -1,4 +1,4 @@
-"""Benchmark MTP speculative decoding (issue 16).
+"""Benchmark MTP speculative decoding.
 
 Part 1 (always): the V3 shape cut to --layers layers plus its MTP layer, fp8, random weights made
 on the device(s). At b=1 and b=8 it times, after a prefill to --context tokens:

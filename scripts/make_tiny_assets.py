@@ -140,7 +140,7 @@ def canonical_gauge(u: np.ndarray, v: np.ndarray, s: np.ndarray, next_s: float,
     """The singular vectors `u`, `v` (columns; singular values `s` descending) in a gauge that does not
     depend on the LAPACK/BLAS that computed them. An SVD fixes each pair of singular vectors only up
     to a common sign, and the vectors of a repeated singular value (this corpus has one, three times)
-    only up to a common rotation among themselves; each host kernel picks its own (issue 10: sign flips
+    only up to a common rotation among themselves; each host kernel picks its own (signs flip
     under another OPENBLAS_CORETYPE). Here each group of equal singular values (relative gap < rtol) is
     rotated onto the orthonormal basis of its span closest to a fixed random matrix `g` (the polar
     factor of u_b^T g, which depends only on the span), and its `v` by the same rotation. Two hosts'

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's multi-token-prediction (MTP) module (technical report §2.2; REFERENCE.md §6).
+"""DeepSeek-V3's multi-token-prediction (MTP) module (DeepSeek-V3 technical report §2.2).
 
 For a position i whose next token t_{i+1} is known:
     e = enorm(Embed(t_{i+1}));  h = hnorm(H_i);  x = eh_proj(concat[e, h])
