@@ -9,7 +9,6 @@ called without a cache, a chunk attending to itself), asked to return the MoE la
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
