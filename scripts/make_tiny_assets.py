@@ -27,7 +27,7 @@ import tokenizers
 
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.checkpoint.schema import expected_tensors, hf_name
-from dsv3_jax.tokenizer import ASSISTANT, BOS, EOS, USER, hf_tokenizer_config, train_byte_level_bpe
+from dsv3_jax.bpe_trainer import ASSISTANT, BOS, EOS, USER, hf_tokenizer_config, train_byte_level_bpe
 
 OUT = Path(__file__).resolve().parents[1] / "dsv3_jax" / "assets" / "tiny"
 VOCAB_SIZE = 1024
