@@ -4,7 +4,7 @@
 
 OUT receives `state/` (orbax: every parameter in the stacked layout the model uses, fp8 weights
 kept fp8 with their float32 scales, the multi-token-prediction tensors under "mtp"), the Hugging
-Face `config.json` and the tokenizer files; see dsv3_jax/orbax_io.py. Restore it on any device
+Face `config.json` and the tokenizer files; see dsv3_jax/checkpoint/orbax.py. Restore it on any device
 count that divides the model with `dsv3_jax.load(OUT, num_devices=N)`.
 
 Peak host memory is about the largest single tensor: each stacked parameter is written one layer
