@@ -1,10 +1,11 @@
 """dsv3-jax: DeepSeek-V3 inference in JAX (Flax NNX modules, shard_map TP+EP, Pallas fp8 kernels)."""
-from . import generate
-from .api import Model, build, load, make_step
-from .cache import cache_window
+from .api import Model, build, load
 from .config import ConfigError, ModelArgs
+from .decode import generate
+from .decode.step import make_step
+from .errors import CheckpointError
+from .model.cache import cache_window
 from .options import RunOptions
-from .safetensors_io import CheckpointError
 
 __all__ = ["CheckpointError", "ConfigError", "Model", "ModelArgs", "RunOptions", "build", "cache_window", "generate",
            "load", "make_step"]

@@ -6,7 +6,6 @@ window) and updates the donated cache in place.
 """
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import jax
@@ -15,82 +14,36 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from .cache import allocate_cache, cache_specs, cache_window
-from .checkpoint import CONFIG_HINT, ReferenceLayoutIndex, find_config, home_rank, load_state
+from .checkpoint.load import CONFIG_HINT, ReferenceLayoutIndex, find_config, home_rank, load_state
+from .checkpoint.orbax import OrbaxMTPIndex, has_array, is_orbax_checkpoint, restore_state
+from .checkpoint.safetensors import TensorIndex
+from .checkpoint.schema import MTP_STATE, hf_name, mtp_probe, rank_files, with_gate_bias
 from .config import ModelArgs
-from .generate import generate
-from .model import Transformer
-from .options import RunOptions, StepContext
+from .decode.generate import generate
+from .decode.speculative import make_mtp_steps
+from .decode.step import StepParts, make_step
+from .errors import CheckpointError
+from .model.cache import allocate_cache, cache_window
+from .model.transformer import Transformer
+from .options import RunOptions
 from .progress import progress_bar
-from .orbax_io import OrbaxMTPIndex, has_array, is_orbax_checkpoint, restore_state
-from .rope import inverse_frequencies, rotary_angles
-from .safetensors_io import CheckpointError, TensorIndex
-from .schema import MTP_STATE, hf_name, mtp_probe, rank_files, with_gate_bias
 from .sharding import Layout, check_layout, make_mesh, named_shardings, partition_specs
-from .speculative import generate_mtp, make_mtp_steps
-
-
-def make_step(graphdef: nnx.GraphDef, state_specs, args: ModelArgs, mesh: Mesh, options: RunOptions,
-              layout: Layout):
-    """The jitted forward step `(state, cache, tokens, start_pos, last_index, *, kv_len) -> (logits, cache)`.
-
-    tokens (B, S) int32; start_pos (B,) int32, each row's position of tokens[:, 0]; last_index (B,)
-    int32, the chunk index whose logits are returned (float32, (B, vocab)). The cache (argument 1)
-    is donated and comes back updated at positions [start_pos, start_pos + S) of rows [0, B);
-    attention reads cache positions [0, kv_len), a static bound that must cover every row's end.
-    When the layout splits the batch, B is padded to a multiple of its parts and the rows are dealt
-    out by `Layout.row_order`; padding rows sit past the cache's end (their cache writes are
-    dropped) and send no token to the routed experts (`StepContext.valid`).
-    """
-    inv_freq = inverse_frequencies(args)
-    c_specs = cache_specs(options.attn_impl, layout)
-    rows = layout.spec("batch")
-
-    def local_step(state, cache, tokens, positions, last_index, valid, kv_len, padded):
-        model = nnx.merge(graphdef, state)
-        cos, sin = rotary_angles(positions, inv_freq, args.rope_attention_factor)
-        ctx = StepContext(positions, cos, sin, kv_len, options, args.scale_fmt, layout=layout,
-                          valid=valid if padded else None)
-        with options.precision_scope():  # float32: full-precision dots (no TF32)
-            return model(tokens, ctx, cache, last_index)
-
-    def step(state, cache, tokens, start_pos, last_index, *, kv_len: int):
-        positions = start_pos[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        batch = tokens.shape[0]
-        split = layout.size("batch") > 1
-        padded = layout.padded_batch(batch)
-        valid = jnp.arange(padded) < batch
-        if split:
-            order = layout.row_order(padded)
-            end = next(iter(cache.values())).shape[2]  # padding rows' positions: past the cache
-
-            def deal(a, fill=0):
-                return jnp.pad(a, [(0, padded - batch)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)[order]
-
-            tokens, positions, last_index, valid = deal(tokens), deal(positions, end), deal(last_index), valid[order]
-        sharded = jax.shard_map(functools.partial(local_step, kv_len=kv_len, padded=padded != batch), mesh=mesh,
-                                in_specs=(state_specs, c_specs, rows, rows, rows, rows), out_specs=(rows, c_specs),
-                                check_vma=False)
-        logits, cache = sharded(state, cache, tokens, positions, last_index, valid)
-        if split:
-            logits = logits[np.argsort(order)[:batch]]
-        return logits, cache
-
-    return jax.jit(step, static_argnames=("kv_len",), donate_argnums=(1,))
 
 
 class Model:
-    """A DeepSeek-V2/V3 model on a mesh, with its cache and jitted step (see `make_step`)."""
+    """A DeepSeek-V2/V3 model on a mesh, with its cache and jitted step (see `decode.step.make_step`)."""
 
     def __init__(self, args: ModelArgs, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh,
-                 options: RunOptions = RunOptions()):
-        """`state` is placed as `options.layout` splits it on `mesh` (no copy where it already is)."""
+                 options: RunOptions = RunOptions(), *, layout: Layout | None = None):
+        """`state` is placed as `options.layout` splits it on `mesh` (no copy where it already is);
+        `layout`: that split, when the caller has already resolved it (`model_layout`)."""
         self.args, self.graphdef, self.mesh, self.options = args, graphdef, mesh, options
-        self.layout = model_layout(args, options, mesh)
+        self.layout = layout or model_layout(args, options, mesh)
         specs = partition_specs(state, self.layout)
         self.state = jax.device_put(state, named_shardings(mesh, specs))
         self.has_mtp = MTP_STATE in state
-        self.step = make_step(graphdef, specs, args, mesh, options, self.layout)
+        self.parts = StepParts(graphdef, specs, args, mesh, options, self.layout)
+        self.step = make_step(self.parts)
         self.cache = allocate_cache(args, options.attn_impl, mesh, self.layout, options.jnp_dtype, mtp=self.has_mtp)
         self._mtp_steps = None
 
@@ -103,8 +56,7 @@ class Model:
             raise ValueError(f"MTP speculative decoding needs a layout that does not split the batch, not "
                              f"{self.layout.name!r}")
         if self._mtp_steps is None:
-            self._mtp_steps = make_mtp_steps(self.graphdef, partition_specs(self.state, self.layout), self.args,
-                                             self.mesh, self.options, self.layout)
+            self._mtp_steps = make_mtp_steps(self.parts)
         return self._mtp_steps
 
     def forward(self, tokens, start_pos=0) -> jax.Array:
@@ -145,16 +97,12 @@ class Model:
         """Complete each prompt (the reference's `generate`, rows advancing on their own positions).
 
         Completions stop before the first `eos_id` and after max_new_tokens; temperature 0 is greedy.
-        See `dsv3_jax.generate.generate` for the options. mtp=True decodes speculatively with the
+        See `dsv3_jax.decode.generate.generate` for the options. mtp=True decodes speculatively with the
         MTP module's drafts (same outputs when greedy, same distribution when sampling; see
-        `dsv3_jax.speculative`); `stats` (a dict) then receives the drafts' acceptance rate.
+        `dsv3_jax.decode.speculative`); `stats` (a dict) then receives the drafts' acceptance rate.
         """
-        if mtp:
-            self.mtp_steps  # noqa: B018 (the clear error of a model without MTP)
-            return generate_mtp(self, prompt_tokens, max_new_tokens, eos_id, temperature, seed, top_k=top_k,
-                                top_p=top_p, on_tokens=on_tokens, stats=stats)
         return generate(self, prompt_tokens, max_new_tokens, eos_id, temperature, seed, top_k=top_k, top_p=top_p,
-                        on_tokens=on_tokens)
+                        on_tokens=on_tokens, mtp=mtp, stats=stats)
 
 
 def _run_options(options: RunOptions | None, dtype: str | None, choices: dict) -> RunOptions:
@@ -235,7 +183,7 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
                                   "load it without mtp=True")
         graphdef, abstract_state = _abstract(args, options, mtp=mtp)
         state = load_state(index, abstract_state, args, mesh, layout, naming, progress=progress)
-    return Model(args, graphdef, state, mesh, options)
+    return Model(args, graphdef, state, mesh, options, layout=layout)
 
 
 def _abstract(args: ModelArgs, options: RunOptions, seed: int | None = None, mtp: bool = False):
@@ -265,8 +213,9 @@ def build(args: ModelArgs, *, seed: int = 0, options: RunOptions | None = None, 
         args = args.replace(gate_bias=args.score_func == "sigmoid")
     mesh = _mesh_for(args, num_devices, mesh)
     graphdef, abstract_state = _abstract(args, options, seed, mtp=mtp)
-    shardings = named_shardings(mesh, partition_specs(abstract_state, model_layout(args, options, mesh)))
+    layout = model_layout(args, options, mesh)
+    shardings = named_shardings(mesh, partition_specs(abstract_state, layout))
     make = jax.jit(lambda: nnx.split(Transformer(args, param_dtype=options.jnp_dtype, rngs=nnx.Rngs(seed),
                                                  mtp=mtp))[1],
                    out_shardings=shardings)
-    return Model(args, graphdef, make(), mesh, options)
+    return Model(args, graphdef, make(), mesh, options, layout=layout)

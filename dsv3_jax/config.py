@@ -313,6 +313,14 @@ def _translate_hf(hf: dict[str, Any]) -> dict[str, Any]:
     elif "norm_topk_prob" not in out:
         out["norm_topk_prob"] = True  # DeepseekV3Config's default
 
+    out.update(_translate_rope(hf))
+    out.update(_translate_quant(hf))
+    return out
+
+
+def _translate_rope(hf: dict[str, Any]) -> dict[str, Any]:
+    """The rotary-embedding fields (rope_theta, YaRN) of a Hugging Face config."""
+    out: dict[str, Any] = {}
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ConfigError("config key 'rope_scaling' must be an object or null")
@@ -349,7 +357,11 @@ def _translate_hf(hf: dict[str, Any]) -> dict[str, Any]:
         out["use_yarn"] = False
     else:
         raise ConfigError(f"config key 'rope_scaling.type' = {rope_type!r} is not supported (yarn or none)")
+    return out
 
+
+def _translate_quant(hf: dict[str, Any]) -> dict[str, Any]:
+    """The weight-format fields of a Hugging Face config (block-wise fp8, or none)."""
     quant = hf.get("quantization_config")
     if quant and not isinstance(quant, dict):
         raise ConfigError("config key 'quantization_config' must be an object or null")
@@ -358,9 +370,8 @@ def _translate_hf(hf: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError("config key 'quantization_config' must describe block-wise fp8 e4m3")
         if list(quant.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])) != [FP8_BLOCK, FP8_BLOCK]:
             raise ConfigError(f"config key 'quantization_config.weight_block_size' must be [{FP8_BLOCK}, {FP8_BLOCK}]")
-        out["dtype"] = "fp8"
-        out["scale_fmt"] = quant.get("scale_fmt")
-    return out
+        return {"dtype": "fp8", "scale_fmt": quant.get("scale_fmt")}
+    return {}
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:

@@ -44,7 +44,7 @@ class RunOptions:
                                "(auto: the kernel on a GPU)")
     router: str = _choice("xla", ("xla", "kernel"),
                           "MoE routing after the gate GEMM (scores, group-limited top-k, weights): XLA ops or "
-                          "one Pallas kernel (not yet timed on a GPU)")
+                          "one Pallas kernel")
     layout: str = _choice("tp", tuple(PRESETS),
                           "how the model is split over the devices, a preset of dsv3_jax.sharding.PRESETS: "
                           "attention tensor-parallel (tp), split by batch rows with its cache (dp-attn, "

@@ -1,18 +1,14 @@
-"""Training-side pieces: a cache-free full-sequence forward through the project's modules, the
-next-token and MTP losses, the expert loads that drive bias balancing, and the export of trained
-parameters as a Hugging Face checkpoint.
+"""Training-side pieces: the next-token and MTP losses over a cache-free full-sequence pass, the
+expert loads that drive bias balancing, and the export of trained parameters as a Hugging Face
+checkpoint.
 
 Everything here runs inside `jax.shard_map` over a mesh, split as a `Layout` (default: not split)
 says, the layout naming the mesh axes of the modules' collectives; `shard_over` wraps a function
-for a mesh. The forward is the inference model's own: the same
-MLA (called without a cache: a chunk attends to itself), MoE, norms, embedding and head; only the
-layer loop is written out here, so that each MoE layer's expert loads come back with the output.
+for a mesh. The forward is the inference model's own (`Transformer.hidden` and the MTP module
+called without a cache, a chunk attending to itself), asked to return the MoE layers' expert loads.
 """
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +16,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
+from .checkpoint.mtp import mtp_hf_tensors
+from .checkpoint.export import write_hf_checkpoint as write_checkpoint
+from .checkpoint.schema import hf_name, reference_names, stacked_axes
 from .config import ModelArgs
-from .model import Block, Transformer
-from .moe import MoE
-from .mtp import MTP, mtp_hf_tensors
-from .options import RunOptions, StepContext
-from .rope import inverse_frequencies, rotary_angles
-from .schema import hf_name, reference_names, stacked_axes
+from .model.mtp import MTP
+from .model.transformer import Transformer, step_context
+from .options import RunOptions
 from .sharding import Layout, partition_specs
 
 # the run options of training: per-head keys and values (no cache to absorb into), ragged_dot experts
@@ -39,44 +35,6 @@ class TrainModel(nnx.Module):
     def __init__(self, args: ModelArgs, *, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.model = Transformer(args, param_dtype=param_dtype, rngs=rngs)
         self.mtp = nnx.List([MTP(args, param_dtype=param_dtype, rngs=rngs) for _ in range(args.n_mtp_layers)])
-
-
-def context(args: ModelArgs, positions: jnp.ndarray, options: RunOptions = TRAIN_OPTIONS,
-            layout: Layout = Layout()) -> StepContext:
-    """The step context of a cache-free pass over tokens at `positions` (B, S)."""
-    cos, sin = rotary_angles(positions, inverse_frequencies(args), args.rope_attention_factor)
-    return StepContext(positions, cos, sin, positions.shape[1], options, args.scale_fmt, layout=layout)
-
-
-def block_forward(block: Block, x: jnp.ndarray, ctx: StepContext) -> tuple[jnp.ndarray, jnp.ndarray | None]:
-    """Block.__call__ without a cache, plus the routed-expert loads (E,) of an MoE block (else None)."""
-    h = x + block.attn(block.attn_norm(x), ctx, None, 0)[0]
-    normed = block.ffn_norm(h)
-    if isinstance(block.ffn, MoE):
-        _, indices = block.ffn.gate(normed.reshape(-1, normed.shape[-1]))
-        loads = jnp.bincount(indices.reshape(-1), length=block.ffn.gate.weight.shape[-2])
-        return h + block.ffn(normed, ctx), loads
-    return h + block.ffn(normed, ctx, reduce=True), None
-
-
-def sequence_hidden(model: Transformer, tokens: jnp.ndarray, ctx: StepContext, *, remat: bool = False):
-    """tokens (B, S) -> (hidden states after the final norm (B, S, dim), MoE loads (n_moe_layers, E) or None)."""
-    h = model.embed(tokens, ctx.layout)
-    loads = None
-    for stack in (model.dense_layers, model.moe_layers):
-        if stack is None:
-            continue
-        graphdef, state = nnx.split(stack)
-
-        def one_layer(h, layer_state, graphdef=graphdef):
-            return block_forward(nnx.merge(graphdef, layer_state), h, ctx)
-
-        if remat:
-            one_layer = jax.checkpoint(one_layer)
-        h, stack_loads = jax.lax.scan(one_layer, h, state)
-        if stack is model.moe_layers:
-            loads = stack_loads
-    return model.norm(h), loads
 
 
 def head_logits(model: Transformer, hidden: jnp.ndarray, layout: Layout = Layout()) -> jnp.ndarray:
@@ -100,15 +58,15 @@ def forward_losses(model: Transformer, mtp: MTP | None, args: ModelArgs, tokens:
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     batch, seq = inputs.shape
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None], (batch, seq))
-    hidden, loads = sequence_hidden(model, inputs, context(args, positions, options, layout), remat=remat)
+    ctx = step_context(args, positions, seq, options, layout)
+    hidden, _, loads = model.hidden(inputs, ctx, None, loads=True, remat=remat)
     logits = head_logits(model, hidden, layout)
     out = {"nll": token_nll(logits, targets), "main_argmax": jnp.argmax(logits, -1)}
     all_loads = [loads] if loads is not None else []
     if mtp is not None:
-        ctx = context(args, positions[:, 1:], options, layout)  # the block runs at position i + 1
-        x = mtp.inputs(model.embed(inputs[:, 1:], layout), hidden[:, :-1], ctx)
-        y, mtp_loads = block_forward(mtp.block, x, ctx)
-        mtp_logits = head_logits(model, mtp.shared_head.norm(y), layout)
+        ctx = step_context(args, positions[:, 1:], seq - 1, options, layout)  # the block runs at position i + 1
+        y, _, mtp_loads = mtp(model.embed(inputs[:, 1:], layout), hidden[:, :-1], ctx, loads=True)
+        mtp_logits = head_logits(model, y, layout)
         out["mtp_nll"] = token_nll(mtp_logits, tokens[:, 2:])
         out["mtp_argmax"] = jnp.argmax(mtp_logits, -1)
         if mtp_loads is not None:
@@ -204,54 +162,9 @@ def checkpoint_tensors(tm: TrainModel, args: ModelArgs, *, mtp_copies: bool = Tr
     return tensors
 
 
-def write_checkpoint(directory: str | Path, hf_config: dict, tensors: dict[str, np.ndarray],
-                     tokenizer_dir: str | Path | None = None, extra_files: dict[str, str] | None = None,
-                     max_file_bytes: int = 15 * 2**20) -> Path:
-    """config.json + the tensors (+ tokenizer files), written to a temporary directory and renamed.
-
-    The tensors go to `model.safetensors`, or, when they exceed `max_file_bytes`, to the hub's
-    sharded layout (`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`)."""
-    from .safetensors_io import save_file
-
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = directory.with_name(directory.name + ".partial")
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
-    (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, array in tensors.items():
-        if shards[-1] and size + array.nbytes > max_file_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = array
-        size += array.nbytes
-    if len(shards) == 1:
-        save_file(shards[0], staging / "model.safetensors", metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, staging / filename, metadata={"format": "pt"})
-            weight_map.update({name: filename for name in shard})
-        index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))}, "weight_map": weight_map}
-        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
-    if tokenizer_dir is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copyfile(Path(tokenizer_dir) / name, staging / name)
-    for name, text in (extra_files or {}).items():
-        (staging / name).write_text(text)
-    if directory.exists():
-        shutil.rmtree(directory)
-    staging.rename(directory)
-    return directory
-
-
 def param_count(tree) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
-__all__ = ["TrainModel", "TRAIN_OPTIONS", "context", "block_forward", "sequence_hidden", "forward_losses", "sequence_nll",
-           "update_gate_biases", "checkpoint_tensors", "write_checkpoint", "shard_over"]
+__all__ = ["TrainModel", "TRAIN_OPTIONS", "forward_losses", "sequence_nll", "update_gate_biases", "checkpoint_tensors",
+           "write_checkpoint", "shard_over"]

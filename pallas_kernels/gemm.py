@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import (BLOCK, FP8, cdiv, check_dtype, check_last_dim, check_out_dtype, fail,
+from ._common import (BLOCK, FP8, cdiv, check_dtype, check_last_dim, check_out_dtype, fail, hopper,
                       interpret_in_shard_map, match_vma, num_sms, result, rows, use_interpret,
                       vma_union)
 from .gemm_mgpu import MosaicGemmConfig, fp8_gemm_mosaic_2d, mosaic_unsupported
@@ -103,13 +103,6 @@ def auto_split(m: int, n: int, k: int, bm: int, bn: int, sms: int | None = None)
     return split
 
 
-def is_sm90() -> bool:
-    """True if the default device is a GPU of compute capability 9.x (Hopper)."""
-    if use_interpret():
-        return False
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
-
-
 def choose_path(m: int, n: int, k: int, impl: str, sm90: bool) -> str:
     """"mosaic" or "triton": the kernel fp8_gemm runs for an (m, k) x (n, k)^T product.
 
@@ -131,7 +124,7 @@ def choose_path(m: int, n: int, k: int, impl: str, sm90: bool) -> str:
 def fp8_gemm_path(m: int, n: int, k: int, impl: str = "auto") -> str:
     """The kernel ("mosaic" or "triton") fp8_gemm(..., impl=impl) runs on the default device for
     an (m, k) x (n, k)^T product: for benchmarks and logs to record which one ran."""
-    return choose_path(m, n, k, impl, is_sm90())
+    return choose_path(m, n, k, impl, hopper())
 
 
 def fp8_gemm(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.bfloat16,
@@ -153,7 +146,7 @@ def fp8_gemm(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dty
     """
     out_dtype = check_out_dtype(_FN, out_dtype)
     m, n, k = _check(a, a_s, b, b_s)
-    path = choose_path(m, n, k, impl, is_sm90())
+    path = choose_path(m, n, k, impl, hopper())
     if m == 0 or n == 0:
         return jnp.zeros((*a.shape[:-1], n), out_dtype)
     interpret = use_interpret()

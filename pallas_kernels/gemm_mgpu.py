@@ -205,6 +205,28 @@ def _swizzled(rows_bytes: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _pipeline(cfg: MosaicGemmConfig, nkb: int, op_transforms, share_a, share_b, body, compute_context, state):
+    """The warp-specialised K loop of one CTA tile: A, B and A's scales streamed in by 128-wide K blocks."""
+    cta_m, cta_n = cfg.cta_m, cfg.cta_n
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(nkb,),
+        memory_registers=cfg.memory_registers,
+        in_specs=[
+            plgpu.BlockSpec((cta_m, BLOCK), lambda kb: (0, kb), transforms=op_transforms,
+                            collective_axes=share_a),
+            plgpu.BlockSpec((cta_n, BLOCK), lambda kb: (0, kb), transforms=op_transforms,
+                            collective_axes=share_b),
+            plgpu.BlockSpec((1, cta_m), lambda kb: (kb, 0), collective_axes=share_a),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=cfg.num_compute_wgs,
+        max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=compute_context,
+        pipeline_state=state,
+    )
+
+
 def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, m_tiles, n_tiles, nkb, cfg: MosaicGemmConfig,
             chain: bool):
     tm, tn, wgs = cfg.tile_m, cfg.tile_n, cfg.num_compute_wgs
@@ -221,23 +243,7 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, m_tiles, n_tiles, nkb
     share_b = ("cluster",) if cfg.cluster == "m" else ()
 
     def pipeline(body, compute_context, state=None):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(nkb,),
-            memory_registers=cfg.memory_registers,
-            in_specs=[
-                plgpu.BlockSpec((cta_m, BLOCK), lambda kb: (0, kb), transforms=op_transforms,
-                                collective_axes=share_a),
-                plgpu.BlockSpec((cta_n, BLOCK), lambda kb: (0, kb), transforms=op_transforms,
-                                collective_axes=share_b),
-                plgpu.BlockSpec((1, cta_m), lambda kb: (kb, 0), collective_axes=share_a),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=wgs,
-            max_concurrent_steps=cfg.max_concurrent_steps,
-            compute_context=compute_context,
-            pipeline_state=state,
-        )
+        return _pipeline(cfg, nkb, op_transforms, share_a, share_b, body, compute_context, state)
 
     ignore = lambda *_, **__: None  # the bodies do not change what the pipeline allocates
 

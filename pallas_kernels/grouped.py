@@ -9,7 +9,7 @@ schedule (group, first row, group end) is computed in plain XLA and read by the 
 An fp8 weight (float8_e4m3fn with float32 128x128 block scales) is dequantised tile by tile in
 the kernel, to x's dtype, as ``weight_dequant`` then a matmul would: the "bf16" GEMM path.
 
-The routed experts' feed-forward in two launches (issue 12, fewer kernels per decode layer):
+The routed experts' feed-forward in two launches (fewer kernels per decode layer):
 ``grouped_gemm_swiglu`` computes h = silu(x W1^T) * (x W3^T) with the x tile loaded once per K
 block for both weights, and ``grouped_gemm(..., row_scale=routing weights)`` the down projection
 already weighted. Both share one kernel body (`_kernel` over the K loop `_k_loop`) and schedule.
@@ -177,7 +177,7 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
         schedule, max_tiles = row_schedule(row_groups.astype(jnp.int32), w.shape[-3], layer), m
     vma = vma_union(x, *ws, group_data)
     # a tile's rows [row, row + block_m) are masked, but the refs keep a tile of slack past the last
-    # row: measured without it (masked loads past the end), prefill 8x512 ran 4 % slower
+    # row: masked loads past the end of the refs are slower (benchmarks/NOTES.md)
     pad = block_m
     operands = [schedule, jnp.pad(x, ((0, pad), (0, 0))), *ws] + (list(scales) if fp8 else [])
     if row_scale is not None:

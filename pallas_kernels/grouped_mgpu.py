@@ -4,8 +4,8 @@
 but through the Mosaic GPU backend: TMA copies x and w tiles into swizzled shared memory, a
 pipelined K loop (`plgpu.emit_pipeline`, `max_concurrent_steps` tiles in flight) feeds bf16
 wgmma with a float32 register accumulator, and a persistent grid (one program per SM) walks
-the (row tile, column tile) pairs. The Triton kernel issues mma.sync on 64x128 tiles and
-reaches ~240 TFLOP/s at prefill on an H200; wgmma on 128x128 tiles is what Hopper needs.
+the (row tile, column tile) pairs. The Triton kernel issues mma.sync on 64x128 tiles, which
+leaves Hopper's tensor cores short of their peak; wgmma on 128x128 tiles is what Hopper needs.
 
 Only the experts in use are read: the tiles come from `aligned_tile_schedule`, computed in XLA
 and read by the kernel from global memory. A tile is one group's rows within one block of
@@ -37,7 +37,7 @@ from ._common import BLOCK, FP8, SHARED_MEMORY_BYTES, cdiv, fail, match_vma, num
 
 _FN = "grouped_gemm_mgpu"
 MOSAIC_MIN_ROWS = 1024  # dispatch: steps with more rows than this (prefill) take the wgmma kernel
-MOSAIC_AUTO_FP8 = False  # dispatch: fp8 weights stay on Triton under "auto" until Mosaic is measured faster
+MOSAIC_AUTO_FP8 = False  # dispatch: fp8 weights stay on Triton under "auto" (Mosaic is not the faster one for them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,28 +130,8 @@ def mosaic_supports(x: jax.Array, w: jax.Array, w_scale, out_dtype, tiles: Mosai
     return None
 
 
-def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None, *,
-                      layer: jax.Array | int | None = None,
-                      row_scale: jax.Array | None = None, out_dtype=jnp.float32,
-                      tiles: MosaicTiles = MosaicTiles(), interpret: bool | None = None) -> jax.Array:
-    """Rows of x (M, K) bf16, sorted by group, times their group's w (G, N, K) bf16 transposed.
-
-    Args:
-      x: bfloat16 (M, K).
-      w: bfloat16 (G, N, K), or float8_e4m3fn with w_scale float32 (G, ceil(N/128), K/128): each
-        fp8 tile is dequantised in the kernel (w * its 128x128 block's scale, rounded to bf16, as
-        `weight_dequant` would) into shared memory before its wgmma. With `layer`, w (and w_scale)
-        is a stack (L, G, ...) of which layer[()] is read in place.
-      group_sizes: int32 (G,): rows of each group, in order; rows past their sum come out zero.
-      row_scale: optional float32 (M,): row r's float32 result times row_scale[r] before the store.
-      out_dtype: float32 or bfloat16.
-      tiles: tile sizes and pipeline depth (`MosaicTiles`).
-      interpret: run in Mosaic GPU interpret mode; None: when the default backend is not a GPU
-        (False lets a CPU-only test lower the kernel for CUDA).
-
-    Returns (M, N) in out_dtype. Runs compiled on an sm_90 GPU; elsewhere in Mosaic GPU interpret
-    mode (a CPU simulation of the threads, TMA and wgmma: slow, for tests at small shapes).
-    """
+def _check_arguments(x, w, group_sizes, w_scale, layer, row_scale, out_dtype, tiles: MosaicTiles) -> None:
+    """`grouped_gemm_mgpu`'s argument checks: one clear error naming the argument at fault."""
     stacked = layer is not None
     if stacked != (w.ndim == 4):
         fail(_FN, f"w has shape {tuple(w.shape)}: a stack (L, G, N, K) goes with `layer`, (G, N, K) without")
@@ -185,6 +165,35 @@ def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scal
     if tiles.smem_bytes(out_dtype, fp8) > SHARED_MEMORY_BYTES:
         fail(_FN, f"tiles {tiles} need {tiles.smem_bytes(out_dtype, fp8)} bytes of shared memory, "
                   f"more than {SHARED_MEMORY_BYTES}")
+
+
+def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None, *,
+                      layer: jax.Array | int | None = None,
+                      row_scale: jax.Array | None = None, out_dtype=jnp.float32,
+                      tiles: MosaicTiles = MosaicTiles(), interpret: bool | None = None) -> jax.Array:
+    """Rows of x (M, K) bf16, sorted by group, times their group's w (G, N, K) bf16 transposed.
+
+    Args:
+      x: bfloat16 (M, K).
+      w: bfloat16 (G, N, K), or float8_e4m3fn with w_scale float32 (G, ceil(N/128), K/128): each
+        fp8 tile is dequantised in the kernel (w * its 128x128 block's scale, rounded to bf16, as
+        `weight_dequant` would) into shared memory before its wgmma. With `layer`, w (and w_scale)
+        is a stack (L, G, ...) of which layer[()] is read in place.
+      group_sizes: int32 (G,): rows of each group, in order; rows past their sum come out zero.
+      row_scale: optional float32 (M,): row r's float32 result times row_scale[r] before the store.
+      out_dtype: float32 or bfloat16.
+      tiles: tile sizes and pipeline depth (`MosaicTiles`).
+      interpret: run in Mosaic GPU interpret mode; None: when the default backend is not a GPU
+        (False lets a CPU-only test lower the kernel for CUDA).
+
+    Returns (M, N) in out_dtype. Runs compiled on an sm_90 GPU; elsewhere in Mosaic GPU interpret
+    mode (a CPU simulation of the threads, TMA and wgmma: slow, for tests at small shapes).
+    """
+    _check_arguments(x, w, group_sizes, w_scale, layer, row_scale, out_dtype, tiles)
+    stacked = layer is not None
+    m, k = x.shape
+    groups, n = w.shape[-3:-1]
+    fp8 = w_scale is not None
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
     if not stacked:

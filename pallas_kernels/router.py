@@ -6,7 +6,7 @@ sigmoid scores; with a score-correction bias the experts are *selected* by score
 score: its best expert, or with a bias the sum of its best two); the top `topk` experts, their
 weights (optionally normalised to sum 1) times `route_scale`. Ties go to the lower index, as with
 `lax.top_k`. In XLA this is a softmax or sigmoid, one to three sorts (top-k), a gather and a few
-elementwise kernels per MoE layer; here it is one kernel (issue 12: fewer kernels per decode layer).
+elementwise kernels per MoE layer; here it is one kernel (fewer kernels per decode layer).
 
 Top-k is k rounds of (row max, lowest index reaching it, mask it out) over a register tile of the
 row's E scores: E is at most a few hundred, so the rounds cost less than one kernel launch.

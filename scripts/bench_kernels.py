@@ -606,7 +606,7 @@ def compose(paths: list[str], out_dir: str) -> None:
     log(md)
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
     ap.add_argument("--sweep", action="store_true", help="also time alternative tilings")
@@ -630,7 +630,39 @@ def main():
     ap.add_argument("--merge", default="", help="earlier JSON: GEMM rows this run skips are copied "
                     "from it (marked with their run's date)")
     ap.add_argument("--compose", nargs="+", help="write one report from these run JSONs, run nothing")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run_mosaic_part(args, sz, rep: dict, save) -> None:
+    rep["mosaic"] = []
+    ms = [int(v) for v in args.mosaic_m.split(",") if v] or list(MOSAIC_M)
+    extra = (mosaic_candidates() if args.mosaic_sweep else []) + mosaic_configs_arg(args.mosaic_configs)
+    nks = ((256, 384),) if args.smoke else MOSAIC_NK
+    for m in (ms if not args.smoke else [200]):
+        for n, k in nks:
+            rep["mosaic"].append(bench_mosaic(sz, m, n, k, PEAK_FP8, extra))
+            save()
+
+
+def run_gemm_part(args, sz, rep: dict, save, deadline: float) -> None:
+    only_m = {int(v) for v in args.m.split(",") if v}
+    sweep_only = set(args.sweep_only.split(",")) - {""}
+    prev = json.loads(Path(args.merge).read_text()) if args.merge else {"gemm": []}
+    ms = [int(v) for v in args.m.split(",") if v]  # run first, in the order given
+    for m in ms + [v for v in sz.gemm_m if v not in ms]:
+        for n, k in sz.gemm_nk:
+            if only_m and m not in only_m:
+                old = [r for r in prev["gemm"] if (r["M"], r["N"], r["K"]) == (m, n, k)]
+                if old:
+                    rep["gemm"].append(dict(old[0], from_run=prev.get("date")))
+                continue
+            sweep = args.sweep and (not sweep_only or f"{m}x{n}x{k}" in sweep_only or str(m) in sweep_only)
+            rep["gemm"].append(bench_gemm(sz, m, n, k, rep["ceilings"], sweep, deadline))
+            save()
+
+
+def main():
+    args = parse_args()
     if args.compose:
         return compose(args.compose, args.out_dir)
     t_start = time.time()
@@ -672,29 +704,9 @@ def main():
         (out / f"{stem}.md").write_text(markdown(rep))
 
     if "mosaic" in parts:
-        rep["mosaic"] = []
-        ms = [int(v) for v in args.mosaic_m.split(",") if v] or list(MOSAIC_M)
-        extra = (mosaic_candidates() if args.mosaic_sweep else []) + mosaic_configs_arg(args.mosaic_configs)
-        nks = ((256, 384),) if args.smoke else MOSAIC_NK
-        for m in (ms if not args.smoke else [200]):
-            for n, k in nks:
-                rep["mosaic"].append(bench_mosaic(sz, m, n, k, PEAK_FP8, extra))
-                save()
+        run_mosaic_part(args, sz, rep, save)
     if "gemm" in parts:
-        only_m = {int(v) for v in args.m.split(",") if v}
-        sweep_only = set(args.sweep_only.split(",")) - {""}
-        prev = json.loads(Path(args.merge).read_text()) if args.merge else {"gemm": []}
-        ms = [int(v) for v in args.m.split(",") if v]  # measured first, in the order given
-        for m in ms + [v for v in sz.gemm_m if v not in ms]:
-            for n, k in sz.gemm_nk:
-                if only_m and m not in only_m:
-                    old = [r for r in prev["gemm"] if (r["M"], r["N"], r["K"]) == (m, n, k)]
-                    if old:
-                        rep["gemm"].append(dict(old[0], from_run=prev.get("date")))
-                    continue
-                sweep = args.sweep and (not sweep_only or f"{m}x{n}x{k}" in sweep_only or str(m) in sweep_only)
-                rep["gemm"].append(bench_gemm(sz, m, n, k, rep["ceilings"], sweep, deadline))
-                save()
+        run_gemm_part(args, sz, rep, save, deadline)
     if "grouped" in parts:
         rep["grouped"] = bench_grouped(sz, rep["ceilings"], grouped_tiles, deadline,
                                        {v for v in args.grouped_shapes.split(",") if v})

@@ -2,7 +2,7 @@
 
 For every decode figure it prints the memory floor beside it: the bytes a step must read (active
 weights plus the cache actually attended) over the H200's measured HBM copy rate (4.3 TB/s), and
-over the rate of a jitted `a + 1` copy measured in the same run (noisy, 2.5-3.6 TB/s). Writes
+over the rate of a jitted `a + 1` copy measured in the same run (noisy). Writes
 benchmarks/model-<gpu>-<config>.json and .md.
 
     python scripts/bench_model.py --config configs/config_16B.json
@@ -25,16 +25,17 @@ import json
 import platform
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import dsv3_jax
-from dsv3_jax.chat import start_distributed
+from dsv3_jax.cli.distributed import start_distributed
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.options import add_flags, choices, from_flags
-from dsv3_jax.schema import abstract_state
+from dsv3_jax.checkpoint.schema import abstract_state
 from dsv3_jax.sharding import Layout, parameter_bytes_per_device
 
 
@@ -166,7 +167,7 @@ def bench_generate(model, batch: int, context: int, steps: int) -> dict:
     return {"generate_ms_per_token": per_token * 1e3, "generate_tok_per_s": batch / per_token}
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="a reference JSON config")
     parser.add_argument("--layers", type=int, help="cut the model to this many layers (dense first)")
@@ -191,23 +192,105 @@ def main() -> None:
     parser.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--process-id", type=int, default=None)
-    opts = parser.parse_args()
-    options = from_flags(opts)
-    start_distributed(opts)
-    leader = jax.process_index() == 0
-    say = print if leader else (lambda *a, **k: None)
+    opts = parser.parse_args(argv)
+    opts.decode_batches = [int(b) for b in opts.decode_batches.split(",") if b]
+    opts.prefill_batches = [int(b) for b in opts.prefill_batches.split(",") if b]
+    return opts
 
+
+def model_args(opts: argparse.Namespace) -> ModelArgs:
+    """The config, cut to --layers and sized for the batches and lengths timed."""
     args = ModelArgs.from_reference_json(opts.config)
-    decode_batches = [int(b) for b in opts.decode_batches.split(",") if b]
-    prefill_batches = [int(b) for b in opts.prefill_batches.split(",") if b]
-    changes = dict(max_batch_size=max(decode_batches + prefill_batches),
+    changes = dict(max_batch_size=max(opts.decode_batches + opts.prefill_batches),
                    max_seq_len=max(opts.prefill_len, opts.context + 2 * opts.steps + 8))
     if opts.layers:
         changes.update(n_layers=opts.layers, n_dense_layers=min(args.n_dense_layers if opts.dense_layers is None
                                                                  else opts.dense_layers, opts.layers))
     if opts.weights:
         changes["dtype"] = opts.weights
-    args = args.replace(**changes)
+    return args.replace(**changes)
+
+
+def save(bench: SimpleNamespace, final: bool = False) -> None:
+    """Write the rows so far (after every row: a run cut short keeps what it measured); at the
+    end also print the table."""
+    if not bench.leader:
+        return
+    args, options, device, model, bandwidth = bench.args, bench.options, bench.device, bench.model, bench.bandwidth
+    stats = device.memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use", 0)
+    record = {
+        "gpu": device.device_kind, "devices": model.mesh.devices.size, "config": Path(bench.opts.config).name,
+        "layers": args.n_layers, "dense_layers": args.n_dense_layers, "weights": args.dtype,
+        "gemm_impl": options.gemm_impl, "attn_impl": options.attn_impl, "jax": jax.__version__,
+        "python": platform.python_version(), "date": datetime.date.today().isoformat(),
+        "copy_bandwidth_tb_s": bandwidth / 1e12, "build_s": bench.build_s, "peak_device_bytes": peak,
+        "rows": bench.rows, "processes": jax.process_count(), "complete": final,
+    }
+    bench.out.mkdir(parents=True, exist_ok=True)
+    (bench.out / f"{bench.stem}.json").write_text(json.dumps(record, indent=2))
+    lines = [f"# {bench.name}: {args.n_layers} layers, {args.dtype} weights, gemm_impl {options.gemm_impl}",
+             "", f"{device.device_kind} x{model.mesh.devices.size} ({jax.process_count()} process(es)), jax {jax.__version__}, {record['date']}; "
+             f"in-run copy bandwidth {bandwidth / 1e12:.2f} TB/s; peak device memory {peak / 2**30:.1f} GiB", "",
+             f"| run | tok/s | ms/step | bytes/step | floor at {HBM_BYTES_PER_S / 1e12:.1f} TB/s | GB/s | % of floor | "
+             "generate() ms/token | compile s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in bench.rows:
+        if r["kind"] == "prefill":
+            lines.append(f"| prefill {r['batch']}x{r['length']} ({r['moe_impl']}, {r['decode_attn']}, {r['layout']}) | {r['tok_per_s']:,.0f} | {r['seconds'] * 1e3:.2f} | "
+                         f"- | - | - | {r['tflops']:.0f} TFLOP/s | - | {r['compile_s']:.1f} |")
+        else:
+            lines.append(f"| decode b={r['batch']} ({r['moe_impl']}, {r['decode_attn']}, {r['layout']}) | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "
+                         f"{r['bytes_per_step'] / 1e9:.2f} GB | {r['floor_ms']:.3f} ms | {r['achieved_gb_s']:,.0f} | "
+                         f"{r['pct_roofline']:.0f}% | {r['generate_ms_per_token']:.3f} ({r['generate_over_step']:.2f}x) | "
+                         f"{r['compile_s']:.1f} |")
+    (bench.out / f"{bench.stem}.md").write_text("\n".join(lines) + "\n")
+    if final:
+        print("\n".join(lines))
+
+
+def bench_variant(bench: SimpleNamespace, runner, tag: str, **variant) -> None:
+    """Time prefill and decode (and generate) at every batch for one (layout, moe_impl, decode_attn)."""
+    opts, args, say = bench.opts, bench.args, bench.say
+    devices = bench.model.mesh.devices.size
+    for batch in opts.prefill_batches:
+        result = bench_prefill(runner, batch, opts.prefill_len, opts.repeats)
+        flops = prefill_flops(args, batch, opts.prefill_len)
+        result.update(kind="prefill", **variant, devices=devices, tflops=flops / result["seconds"] / 1e12)
+        bench.rows.append(result)
+        save(bench)
+        say(f"prefill b={batch} x {opts.prefill_len} {tag}: {result['tok_per_s']:,.0f} tok/s "
+            f"({result['seconds'] * 1e3:.2f} ms, {result['tflops']:.0f} TFLOP/s, "
+            f"compile {result['compile_s']:.1f} s)", flush=True)
+    for batch in opts.decode_batches:
+        result = bench_decode(runner, batch, opts.context, opts.steps)
+        context = opts.context + opts.steps // 2
+        bytes_read = decode_bytes(args, batch, context, 2) / opts.num_devices
+        floor_ms = bytes_read / HBM_BYTES_PER_S * 1e3
+        in_run_floor_ms = bytes_read / bench.bandwidth * 1e3
+        result.update(kind="decode", **variant, devices=devices, bytes_per_step=bytes_read, floor_ms=floor_ms,
+                      floor_ms_in_run_copy=in_run_floor_ms,
+                      achieved_gb_s=bytes_read / (result["ms_per_step"] / 1e3) / 1e9,
+                      pct_roofline=100 * floor_ms / result["ms_per_step"])
+        result.update(bench_generate(runner, batch, opts.context, opts.steps))
+        result["generate_over_step"] = result["generate_ms_per_token"] / result["ms_per_step"]
+        bench.rows.append(result)
+        save(bench)
+        say(f"generate b={batch} {tag}: {result['generate_tok_per_s']:,.1f} tok/s, "
+            f"{result['generate_ms_per_token']:.3f} ms/token ({result['generate_over_step']:.2f}x the step)")
+        say(f"decode b={batch} {tag}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
+            f"ms/step (floor {floor_ms:.3f} ms = {bytes_read / 1e9:.2f} GB at {HBM_BYTES_PER_S / 1e12:.1f} TB/s, "
+            f"{result['pct_roofline']:.0f}% of it; {in_run_floor_ms:.3f} ms at the in-run copy rate "
+            f"{bench.bandwidth / 1e12:.2f} TB/s; compile {result['compile_s']:.1f} s)", flush=True)
+
+
+def main() -> None:
+    opts = parse_args()
+    options = from_flags(opts)
+    start_distributed(opts)
+    leader = jax.process_index() == 0
+    say = print if leader else (lambda *a, **k: None)
+    args = model_args(opts)
     device = jax.local_devices()[0]
     bandwidth = copy_bandwidth(device)
     say(f"device {device.device_kind}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
@@ -219,50 +302,11 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     params = sum(x.size for x in jax.tree.leaves(model.state))
     say(f"built {args.n_layers} layers ({params / 1e9:.2f} G parameters, {args.dtype} weights) in {build_s:.1f} s")
-
-    rows = []
     name = Path(opts.config).stem.replace("config_", "")
     gpu = device.device_kind.lower().replace("nvidia ", "").replace(" ", "-")
-    out = Path(opts.out_dir)
-    stem = f"model-{gpu}-{name}{'-' + opts.tag if opts.tag else ''}"
-
-    def save(final: bool = False) -> None:
-        """Write the rows so far (after every row: a run cut short keeps what it measured); at the
-        end also print the table."""
-        if not leader:
-            return
-        stats = device.memory_stats() or {}
-        peak = stats.get("peak_bytes_in_use", 0)
-        record = {
-            "gpu": device.device_kind, "devices": model.mesh.devices.size, "config": Path(opts.config).name,
-            "layers": args.n_layers, "dense_layers": args.n_dense_layers, "weights": args.dtype,
-            "gemm_impl": options.gemm_impl, "attn_impl": options.attn_impl, "jax": jax.__version__,
-            "python": platform.python_version(), "date": datetime.date.today().isoformat(),
-            "copy_bandwidth_tb_s": bandwidth / 1e12, "build_s": build_s, "peak_device_bytes": peak, "rows": rows,
-            "processes": jax.process_count(), "complete": final,
-        }
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{stem}.json").write_text(json.dumps(record, indent=2))
-        lines = [f"# {name}: {args.n_layers} layers, {args.dtype} weights, gemm_impl {options.gemm_impl}",
-                 "", f"{device.device_kind} x{model.mesh.devices.size} ({jax.process_count()} process(es)), jax {jax.__version__}, {record['date']}; "
-                 f"in-run copy bandwidth {bandwidth / 1e12:.2f} TB/s; peak device memory {peak / 2**30:.1f} GiB", "",
-                 f"| run | tok/s | ms/step | bytes/step | floor at {HBM_BYTES_PER_S / 1e12:.1f} TB/s | GB/s | % of floor | "
-                 "generate() ms/token | compile s |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            if r["kind"] == "prefill":
-                lines.append(f"| prefill {r['batch']}x{r['length']} ({r['moe_impl']}, {r['decode_attn']}, {r['layout']}) | {r['tok_per_s']:,.0f} | {r['seconds'] * 1e3:.2f} | "
-                             f"- | - | - | {r['tflops']:.0f} TFLOP/s | - | {r['compile_s']:.1f} |")
-            else:
-                lines.append(f"| decode b={r['batch']} ({r['moe_impl']}, {r['decode_attn']}, {r['layout']}) | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "
-                             f"{r['bytes_per_step'] / 1e9:.2f} GB | {r['floor_ms']:.3f} ms | {r['achieved_gb_s']:,.0f} | "
-                             f"{r['pct_roofline']:.0f}% | {r['generate_ms_per_token']:.3f} ({r['generate_over_step']:.2f}x) | "
-                             f"{r['compile_s']:.1f} |")
-        (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-        if final:
-            print("\n".join(lines))
-
-    devices = model.mesh.devices.size
+    bench = SimpleNamespace(opts=opts, args=args, options=options, device=device, bandwidth=bandwidth, model=model,
+                            build_s=build_s, leader=leader, say=say, rows=[], name=name, out=Path(opts.out_dir),
+                            stem=f"model-{gpu}-{name}{'-' + opts.tag if opts.tag else ''}")
     variants = [(lay, m, a) for lay in opts.layouts for m in opts.moe_impls for a in opts.decode_attns]
     for layout, moe_impl, decode_attn in variants:
         model.cache = None  # one cache at a time on the device
@@ -270,40 +314,10 @@ def main() -> None:
                                 dsv3_jax.RunOptions.make(options, moe_impl=moe_impl, decode_attn=decode_attn,
                                                          layout=layout))
         model.state = runner.state  # the weights as this layout splits them (the previous split freed)
-        tag = f"moe={moe_impl} attn={decode_attn} layout={layout}"
-        for batch in prefill_batches:
-            result = bench_prefill(runner, batch, opts.prefill_len, opts.repeats)
-            flops = prefill_flops(args, batch, opts.prefill_len)
-            result.update(kind="prefill", moe_impl=moe_impl, decode_attn=decode_attn, layout=layout, devices=devices,
-                          tflops=flops / result["seconds"] / 1e12)
-            rows.append(result)
-            save()
-            say(f"prefill b={batch} x {opts.prefill_len} {tag}: {result['tok_per_s']:,.0f} tok/s "
-                  f"({result['seconds'] * 1e3:.2f} ms, {result['tflops']:.0f} TFLOP/s, "
-                  f"compile {result['compile_s']:.1f} s)", flush=True)
-        for batch in decode_batches:
-            result = bench_decode(runner, batch, opts.context, opts.steps)
-            context = opts.context + opts.steps // 2
-            bytes_read = decode_bytes(args, batch, context, 2) / opts.num_devices
-            floor_ms = bytes_read / HBM_BYTES_PER_S * 1e3
-            in_run_floor_ms = bytes_read / bandwidth * 1e3
-            result.update(kind="decode", moe_impl=moe_impl, decode_attn=decode_attn, layout=layout, devices=devices,
-                          bytes_per_step=bytes_read, floor_ms=floor_ms,
-                          floor_ms_in_run_copy=in_run_floor_ms,
-                          achieved_gb_s=bytes_read / (result["ms_per_step"] / 1e3) / 1e9,
-                          pct_roofline=100 * floor_ms / result["ms_per_step"])
-            result.update(bench_generate(runner, batch, opts.context, opts.steps))
-            result["generate_over_step"] = result["generate_ms_per_token"] / result["ms_per_step"]
-            rows.append(result)
-            save()
-            say(f"generate b={batch} {tag}: {result['generate_tok_per_s']:,.1f} tok/s, "
-                f"{result['generate_ms_per_token']:.3f} ms/token ({result['generate_over_step']:.2f}x the step)")
-            say(f"decode b={batch} {tag}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
-                  f"ms/step (floor {floor_ms:.3f} ms = {bytes_read / 1e9:.2f} GB at {HBM_BYTES_PER_S / 1e12:.1f} TB/s, "
-                  f"{result['pct_roofline']:.0f}% of it; {in_run_floor_ms:.3f} ms at the in-run copy rate "
-                  f"{bandwidth / 1e12:.2f} TB/s; compile {result['compile_s']:.1f} s)", flush=True)
+        bench_variant(bench, runner, f"moe={moe_impl} attn={decode_attn} layout={layout}",
+                      moe_impl=moe_impl, decode_attn=decode_attn, layout=layout)
         runner.cache = None
-    save(final=True)
+    save(bench, final=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Benchmark MTP speculative decoding (issue 16).
+"""Benchmark MTP speculative decoding.
 
 Part 1 (always): the V3 shape cut to --layers layers plus its MTP layer, fp8, random weights made
 on the device(s). At b=1 and b=8 it times, after a prefill to --context tokens:
@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv3_jax
-from dsv3_jax.cache import cache_window
+from dsv3_jax.model.cache import cache_window
 from dsv3_jax.config import ModelArgs
+from dsv3_jax.decode.generate import prefill
 from dsv3_jax.options import add_flags, from_flags
-from dsv3_jax.speculative import mtp_prefill
 
 HELDOUT = Path(__file__).resolve().parent.parent / "data" / "pystdlib" / "tokens.npz"
 
@@ -61,7 +61,7 @@ def bench_shape(cli, results: list) -> None:
     for batch in cli.batches:
         kv_len = cache_window(cli.context + 4, args.max_seq_len)
         prompts = [[1] * cli.context] * batch
-        state, plan = mtp_prefill(model, prompts, 8, temperature=0.0, window=kv_len)
+        state, plan = prefill(model, prompts, 8, temperature=0.0, window=kv_len, mtp=True)
         _, spec_step = model.mtp_steps
         start = jnp.full((batch,), cli.context, jnp.int32)
         one, two = jnp.ones((batch, 1), jnp.int32), jnp.ones((batch, 2), jnp.int32)

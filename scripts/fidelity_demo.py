@@ -67,7 +67,7 @@ def is_projection(name: str, array: np.ndarray) -> bool:
 
 def write_fp8(source: Path, directory: Path, ue8m0: bool = False) -> Path:
     """The bf16 checkpoint `source` as a block-wise fp8 checkpoint in `directory` (one file)."""
-    from dsv3_jax.safetensors_io import TensorIndex, save_file
+    from dsv3_jax.checkpoint.safetensors import TensorIndex, save_file
 
     index = TensorIndex(source)
     tensors = {}
@@ -107,7 +107,7 @@ def evaluate(path: Path, windows: np.ndarray, options: dict, mtp: bool = True) -
 
     import dsv3_jax
     from dsv3_jax import training
-    from dsv3_jax.mtp import load_mtp
+    from dsv3_jax.checkpoint.mtp import load_mtp
 
     start = time.perf_counter()
     model = dsv3_jax.load(path, max_seq_len=SEQ + 1, max_batch_size=len(windows), **options)

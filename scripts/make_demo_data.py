@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from dsv3_jax.tokenizer import BOS, EOS, hf_tokenizer_config, train_byte_level_bpe
+from dsv3_jax.bpe_trainer import BOS, EOS, hf_tokenizer_config, train_byte_level_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_STDLIB = Path.home() / ".pyenv" / "versions" / "3.12.1" / "lib" / "python3.12"

@@ -26,8 +26,8 @@ import numpy as np
 import tokenizers
 
 from dsv3_jax.config import ModelArgs
-from dsv3_jax.schema import expected_tensors, hf_name
-from dsv3_jax.tokenizer import ASSISTANT, BOS, EOS, USER, hf_tokenizer_config, train_byte_level_bpe
+from dsv3_jax.checkpoint.schema import expected_tensors, hf_name
+from dsv3_jax.bpe_trainer import ASSISTANT, BOS, EOS, USER, hf_tokenizer_config, train_byte_level_bpe
 
 OUT = Path(__file__).resolve().parents[1] / "dsv3_jax" / "assets" / "tiny"
 VOCAB_SIZE = 1024
@@ -140,7 +140,7 @@ def canonical_gauge(u: np.ndarray, v: np.ndarray, s: np.ndarray, next_s: float,
     """The singular vectors `u`, `v` (columns; singular values `s` descending) in a gauge that does not
     depend on the LAPACK/BLAS that computed them. An SVD fixes each pair of singular vectors only up
     to a common sign, and the vectors of a repeated singular value (this corpus has one, three times)
-    only up to a common rotation among themselves; each host kernel picks its own (issue 10: sign flips
+    only up to a common rotation among themselves; each host kernel picks its own (signs flip
     under another OPENBLAS_CORETYPE). Here each group of equal singular values (relative gap < rtol) is
     rotated onto the orthonormal basis of its span closest to a fixed random matrix `g` (the polar
     factor of u_b^T g, which depends only on the span), and its `v` by the same rotation. Two hosts'
@@ -168,7 +168,7 @@ def model_tensors(args: ModelArgs, embed: np.ndarray, head: np.ndarray, seed: in
     import jax.numpy as jnp
     from flax import nnx
 
-    from dsv3_jax.model import Transformer
+    from dsv3_jax.model.transformer import Transformer
 
     abstract = nnx.eval_shape(lambda: Transformer(args, param_dtype=jnp.float32))
     _, state = nnx.split(abstract)
@@ -198,7 +198,7 @@ def model_tensors(args: ModelArgs, embed: np.ndarray, head: np.ndarray, seed: in
 
 
 def make_assets(out: Path) -> None:
-    from dsv3_jax.safetensors_io import save_file
+    from dsv3_jax.checkpoint.safetensors import save_file
 
     pairs = chats()
     tokenizer = train_tokenizer(pairs)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import jax
 
-from dsv3_jax.cache import cache_shapes
-from dsv3_jax.cli import ArgumentParser, run_cli
+from dsv3_jax.model.cache import cache_shapes
+from dsv3_jax.cli.common import ArgumentParser, run_cli
 from dsv3_jax.config import ModelArgs
-from dsv3_jax.schema import abstract_state
+from dsv3_jax.checkpoint.schema import abstract_state
 from dsv3_jax.sharding import DEFAULT_AXES, PRESETS, Layout, parameter_bytes_per_device
 
 GIB = 2**30

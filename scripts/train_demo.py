@@ -38,6 +38,7 @@ import math
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -149,34 +150,29 @@ def lr_at(step: int, total: int, opts) -> float:
     return opts.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(opts: argparse.Namespace) -> dict:
+def setup(opts: argparse.Namespace) -> SimpleNamespace:
+    """The data, config, initial parameters (float32 masters), their masks and the optimiser."""
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
-    from jax.sharding import PartitionSpec as P
 
-    from dsv3_jax.config import ModelArgs
-    from dsv3_jax.sharding import make_mesh
     from dsv3_jax import training as T
+    from dsv3_jax.config import ModelArgs
 
     if opts.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")
     if opts.ragged_dot == "dense":
         jax.config.update("jax_ragged_dot_use_ragged_dot_instruction", False)
-    started = time.time()
     vocab_size, bos_id, eos_id = tokenizer_facts(opts.data)
     train_ids, heldout_ids = load_data(opts.data, opts.train_tokens)
     config = hf_config(opts.preset, vocab_size, opts.seq, bos_id, eos_id)
     args = ModelArgs.from_hf_config(config).replace(max_seq_len=opts.seq)
     compute = jnp.bfloat16 if opts.dtype == "bfloat16" else jnp.float32
-
-    # ---------------------------------------------------------------- parameters, optimiser
     abstract = nnx.eval_shape(lambda: T.TrainModel(args, param_dtype=jnp.float32, rngs=nnx.Rngs(opts.seed)))
     graphdef, _ = nnx.split(abstract)
     params = jax.jit(lambda: nnx.to_pure_dict(nnx.split(T.TrainModel(args, param_dtype=jnp.float32,
                                                                         rngs=nnx.Rngs(opts.seed)))[1]))()
-    n_params = T.param_count(params)
     bias_mask = jax.tree_util.tree_map_with_path(lambda path, _: T.is_gate_bias(path), params)
     decay_mask = jax.tree_util.tree_map_with_path(lambda path, x: x.ndim >= 2 and not T.is_gate_bias(path), params)
 
@@ -188,16 +184,28 @@ def train(opts: argparse.Namespace) -> dict:
     stored_mb = checkpoint_megabytes(params, bias_mask, args, opts.mtp_copies)
     if stored_mb > opts.max_mb:
         raise SystemExit(f"the checkpoint would take {stored_mb:.1f} MB > --max-mb {opts.max_mb}")
-
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(b1=0.9, b2=0.95, eps=1e-8),
                      optax.add_decayed_weights(opts.weight_decay, mask=decay_mask))
-    opt_state = tx.init(params)
-    mesh = make_mesh(1)
+    return SimpleNamespace(train_ids=train_ids, heldout_ids=heldout_ids, config=config, args=args, compute=compute,
+                           graphdef=graphdef, params=params, n_params=T.param_count(params), bias_mask=bias_mask,
+                           to_compute=to_compute, stored_mb=stored_mb, tx=tx, opt_state=tx.init(params))
+
+
+def make_step_fn(run: SimpleNamespace, opts: argparse.Namespace, mesh):
+    """step(params, opt_state, step, lr) -> (params, opt_state, metrics): a batch drawn on the device
+    from the seed and the step number, AdamW on the weights, bias balancing on the gate biases."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from dsv3_jax import training as T
 
     def local_grads(p, windows):
         def loss_fn(p):
-            model = nnx.merge(graphdef, to_compute(p))
-            out = T.forward_losses(model.model, model.mtp[0] if len(model.mtp) else None, args, windows,
+            model = nnx.merge(run.graphdef, run.to_compute(p))
+            out = T.forward_losses(model.model, model.mtp[0] if len(model.mtp) else None, run.args, windows,
                                    remat=opts.remat)
             main = out["nll"].mean()
             mtp = out["mtp_nll"].mean() if "mtp_nll" in out else jnp.zeros(())
@@ -207,8 +215,8 @@ def train(opts: argparse.Namespace) -> dict:
         return loss, main, mtp, loads, grads
 
     grads_fn = T.shard_over(mesh, local_grads, P(), 1)
-    train_device = jnp.asarray(train_ids)
-    n_train = int(train_ids.size)
+    train_device = jnp.asarray(run.train_ids)
+    n_train = int(run.train_ids.size)
     base_key = jax.random.key(opts.seed)
 
     def step_fn(p, opt_state, step, lr):
@@ -216,18 +224,30 @@ def train(opts: argparse.Namespace) -> dict:
         starts = jax.random.randint(key, (opts.batch,), 0, n_train - opts.seq - 1)
         windows = jnp.take(train_device, starts[:, None] + jnp.arange(opts.seq + 1)[None]).astype(jnp.int32)
         loss, main, mtp, loads, grads = grads_fn(p, windows)
-        grads = jax.tree.map(lambda g, b: jnp.zeros_like(g) if b else g, grads, bias_mask)
-        updates, opt_state = tx.update(grads, opt_state, p)
-        p = jax.tree.map(lambda x, u, b: x if b else x - lr * u, p, updates, bias_mask)
+        grads = jax.tree.map(lambda g, b: jnp.zeros_like(g) if b else g, grads, run.bias_mask)
+        updates, opt_state = run.tx.update(grads, opt_state, p)
+        p = jax.tree.map(lambda x, u, b: x if b else x - lr * u, p, updates, run.bias_mask)
         p = T.update_gate_biases(p, loads, opts.bias_gamma)
         loads = loads.astype(jnp.float32)
         imbalance = (loads.max(-1) / loads.mean(-1)).mean()
         return p, opt_state, dict(loss=loss, main=main, mtp=mtp, imbalance=imbalance,
                                   grad_norm=optax.tree.norm(grads))
 
+    return step_fn
+
+
+def make_eval(run: SimpleNamespace, opts: argparse.Namespace, mesh):
+    """(eval_fn(params, windows) -> sums, the held-out windows, evaluate(params) -> the held-out metrics)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from dsv3_jax import training as T
+
     def local_eval(p, windows):
-        model = nnx.merge(graphdef, to_compute(p))
-        out = T.forward_losses(model.model, model.mtp[0] if len(model.mtp) else None, args, windows)
+        model = nnx.merge(run.graphdef, run.to_compute(p))
+        out = T.forward_losses(model.model, model.mtp[0] if len(model.mtp) else None, run.args, windows)
         sums = dict(nll=out["nll"].sum(), count=jnp.asarray(out["nll"].size, jnp.float32))
         if "mtp_nll" in out:
             sums.update(mtp_nll=out["mtp_nll"].sum(), mtp_count=jnp.asarray(out["mtp_nll"].size, jnp.float32),
@@ -236,8 +256,7 @@ def train(opts: argparse.Namespace) -> dict:
         return sums
 
     eval_fn = jax.jit(T.shard_over(mesh, local_eval, P(), 1))
-    windows = eval_windows(heldout_ids, opts.seq, opts.eval_tokens, opts.eval_batch)
-    baseline = unigram_nll(train_ids, windows, args.vocab_size)
+    windows = eval_windows(run.heldout_ids, opts.seq, opts.eval_tokens, opts.eval_batch)
 
     def evaluate(p) -> dict:
         totals: dict[str, float] = {}
@@ -252,14 +271,21 @@ def train(opts: argparse.Namespace) -> dict:
                           mtp_acceptance=totals["accepted"] / totals["mtp_count"])
         return result
 
-    # ---------------------------------------------------------------- compile (with the ragged-dot fallback)
-    def compile_step():
-        return jax.jit(step_fn, donate_argnums=(0, 1)).lower(params, opt_state, jnp.int32(0),
+    return eval_fn, windows, evaluate
+
+
+def compile_step(step_fn, run: SimpleNamespace, opts: argparse.Namespace):
+    """The compiled step (with the ragged-dot fallback) and its compile time in seconds."""
+    import jax
+    import jax.numpy as jnp
+
+    def compile_once():
+        return jax.jit(step_fn, donate_argnums=(0, 1)).lower(run.params, run.opt_state, jnp.int32(0),
                                                               jnp.float32(0.0)).compile()
 
     compile_start = time.time()
     try:
-        step = compile_step()
+        step = compile_once()
     except Exception as err:  # XLA could not lower a mode of the ragged dot: use the dense decomposition
         if opts.ragged_dot != "auto":
             raise
@@ -267,17 +293,17 @@ def train(opts: argparse.Namespace) -> dict:
               flush=True)
         jax.config.update("jax_ragged_dot_use_ragged_dot_instruction", False)
         opts.ragged_dot = "dense"
-        step = compile_step()
-    compile_s = time.time() - compile_start
+        step = compile_once()
+    return step, time.time() - compile_start
 
-    log = dict(config=config, options={k: str(v) if isinstance(v, Path) else v for k, v in vars(opts).items()},
-               params=n_params, checkpoint_mb_estimate=round(stored_mb, 2), corpus=corpus_info(opts.data),
-               device=str(jax.devices()[0]), unigram_heldout_loss=baseline,
-               unigram_heldout_ppl=math.exp(baseline), compile_s=round(compile_s, 1), evals=[])
-    print(f"{n_params / 1e6:.2f} M parameters, checkpoint ~{stored_mb:.1f} MB, {len(windows)} held-out windows, "
-          f"unigram held-out loss {baseline:.3f}, step compiled in {compile_s:.1f} s", flush=True)
 
-    # ---------------------------------------------------------------- the loop
+def train_loop(step, run: SimpleNamespace, opts: argparse.Namespace, evaluate, log: dict) -> None:
+    """Run the steps (--steps, or as many as --minutes allow at the rate of the first ones), evaluating
+    every --eval-every steps into log["evals"]; leaves the trained parameters in run.params."""
+    import jax
+    import jax.numpy as jnp
+
+    params, opt_state = run.params, run.opt_state
     total = opts.steps or 10**9
     budget = opts.minutes * 60.0
     decide_at = max(10, min(opts.warmup, 50))  # within the warmup, whose rates do not depend on the total
@@ -288,7 +314,7 @@ def train(opts: argparse.Namespace) -> dict:
         if i == 5:
             jax.block_until_ready(params)
             timing_start = time.time()
-        if not opts.steps and i == decide_at:  # choose the step count from the measured rate
+        if not opts.steps and i == decide_at:  # choose the step count from the rate of the first steps
             jax.block_until_ready(params)
             per_step = (time.time() - timing_start) / (i - 5)
             spent = time.time() - loop_start - eval_time
@@ -306,38 +332,74 @@ def train(opts: argparse.Namespace) -> dict:
             log["evals"].append(entry)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()}), flush=True)
     jax.block_until_ready(params)
+    run.params, run.opt_state = params, opt_state
     train_time = time.time() - loop_start - eval_time
+    n_train = int(run.train_ids.size)
     log.update(steps=total, eval_s=round(eval_time, 1), train_s=round(train_time, 1),
                steps_per_s=round(total / max(train_time, 1e-9), 2),
                tokens_per_s=round(total * opts.batch * opts.seq / max(train_time, 1e-9)),
                epochs=round(total * opts.batch * opts.seq / n_train, 2), ragged_dot=opts.ragged_dot)
-    final = log["evals"][-1]
 
-    # ---------------------------------------------------------------- the checkpoint
-    stored = jax.tree.map(np.asarray, to_compute(params))
-    model = nnx.merge(graphdef, stored)
+
+def export(run: SimpleNamespace, opts: argparse.Namespace, log: dict) -> Path:
+    """Write the trained weights (as the forward pass used them) as a Hugging Face checkpoint."""
+    import jax
+    import jax.numpy as jnp
     import ml_dtypes
+    from flax import nnx
 
-    tensors = T.checkpoint_tensors(model, args, mtp_copies=opts.mtp_copies)
+    from dsv3_jax import training as T
+
+    model = nnx.merge(run.graphdef, jax.tree.map(np.asarray, run.to_compute(run.params)))
+    tensors = T.checkpoint_tensors(model, run.args, mtp_copies=opts.mtp_copies)
     tensors = {k: (v.astype(ml_dtypes.bfloat16) if v.dtype == np.float32 and not k.endswith("e_score_correction_bias")
-                   and compute == jnp.bfloat16 else v) for k, v in tensors.items()}
-    out = T.write_checkpoint(opts.out, config, tensors, opts.data)
+                   and run.compute == jnp.bfloat16 else v) for k, v in tensors.items()}
+    out = T.write_checkpoint(opts.out, run.config, tensors, opts.data)
     log["checkpoint_bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     log["checkpoint_dir_bytes"] = sum(f.stat().st_size for f in out.iterdir())
+    return out
 
-    if not opts.no_reload_check:  # the written checkpoint, loaded like any other, gives the same held-out loss
-        import dsv3_jax
-        from dsv3_jax.mtp import load_mtp
 
-        loaded = dsv3_jax.load(out, compute_dtype=opts.dtype, max_seq_len=opts.seq + 1, max_batch_size=opts.eval_batch)
-        mtp = load_mtp(out, loaded.args, param_dtype=compute)
-        batch = windows[: opts.eval_batch]
-        outputs = T.sequence_nll(loaded, batch, mtp=mtp)
-        reloaded = float(outputs["nll"].mean())
-        trained = eval_fn(params, jnp.asarray(batch))
-        log["reload_check"] = dict(trained_loss=float(trained["nll"] / trained["count"]), reloaded_loss=reloaded,
-                                   trained_mtp_loss=float(trained["mtp_nll"] / trained["mtp_count"]),
-                                   reloaded_mtp_loss=float(outputs["mtp_nll"].mean()))
+def reload_check(out: Path, run: SimpleNamespace, opts: argparse.Namespace, eval_fn, windows) -> dict:
+    """The written checkpoint, loaded like any other, gives the same held-out loss as in training."""
+    import jax.numpy as jnp
+
+    import dsv3_jax
+    from dsv3_jax import training as T
+    from dsv3_jax.checkpoint.mtp import load_mtp
+
+    loaded = dsv3_jax.load(out, compute_dtype=opts.dtype, max_seq_len=opts.seq + 1, max_batch_size=opts.eval_batch)
+    mtp = load_mtp(out, loaded.args, param_dtype=run.compute)
+    batch = windows[: opts.eval_batch]
+    outputs = T.sequence_nll(loaded, batch, mtp=mtp)
+    trained = eval_fn(run.params, jnp.asarray(batch))
+    return dict(trained_loss=float(trained["nll"] / trained["count"]), reloaded_loss=float(outputs["nll"].mean()),
+                trained_mtp_loss=float(trained["mtp_nll"] / trained["mtp_count"]),
+                reloaded_mtp_loss=float(outputs["mtp_nll"].mean()))
+
+
+def train(opts: argparse.Namespace) -> dict:
+    import jax
+
+    from dsv3_jax.sharding import make_mesh
+
+    started = time.time()
+    run = setup(opts)
+    mesh = make_mesh(1)
+    eval_fn, windows, evaluate = make_eval(run, opts, mesh)
+    baseline = unigram_nll(run.train_ids, windows, run.args.vocab_size)
+    step, compile_s = compile_step(make_step_fn(run, opts, mesh), run, opts)
+    log = dict(config=run.config, options={k: str(v) if isinstance(v, Path) else v for k, v in vars(opts).items()},
+               params=run.n_params, checkpoint_mb_estimate=round(run.stored_mb, 2), corpus=corpus_info(opts.data),
+               device=str(jax.devices()[0]), unigram_heldout_loss=baseline,
+               unigram_heldout_ppl=math.exp(baseline), compile_s=round(compile_s, 1), evals=[])
+    print(f"{run.n_params / 1e6:.2f} M parameters, checkpoint ~{run.stored_mb:.1f} MB, {len(windows)} held-out "
+          f"windows, unigram held-out loss {baseline:.3f}, step compiled in {compile_s:.1f} s", flush=True)
+    train_loop(step, run, opts, evaluate, log)
+    final = log["evals"][-1]
+    out = export(run, opts, log)
+    if not opts.no_reload_check:
+        log["reload_check"] = reload_check(out, run, opts, eval_fn, windows)
         print("reload check:", json.dumps(log["reload_check"]), flush=True)
     log["total_s"] = round(time.time() - started, 1)
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from dsv3_jax.safetensors_io import save_file
+from dsv3_jax.checkpoint.safetensors import save_file
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -45,7 +45,7 @@ def save_fp8(model, directory: Path, files: int = 3, scale_fmt: str | None = Non
 
     import transformers
 
-    from dsv3_jax.safetensors_io import TensorIndex
+    from dsv3_jax.checkpoint.safetensors import TensorIndex
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

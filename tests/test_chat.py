@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from dsv3_jax.generate import generate
-from dsv3_jax.safetensors_io import TensorIndex
+from dsv3_jax.decode.generate import generate
+from dsv3_jax.checkpoint.safetensors import TensorIndex
 from dsv3_jax.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,8 +195,9 @@ def tiny_with_mtp(directory: Path) -> Path:
     from safetensors.numpy import save_file
 
     from dsv3_jax.config import ModelArgs
-    from dsv3_jax.mtp import MTP, mtp_hf_tensors
-    from dsv3_jax.schema import hf_name, with_gate_bias
+    from dsv3_jax.checkpoint.mtp import mtp_hf_tensors
+    from dsv3_jax.model.mtp import MTP
+    from dsv3_jax.checkpoint.schema import hf_name, with_gate_bias
 
     shutil.copytree(TINY, directory)
     config = json.loads((directory / "config.json").read_text())

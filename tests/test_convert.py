@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 
 import dsv3_jax
-from dsv3_jax.checkpoint import ReferenceLayoutIndex
-from dsv3_jax.safetensors_io import SafetensorsFile, TensorIndex, save_file
+from dsv3_jax.checkpoint.load import ReferenceLayoutIndex
+from dsv3_jax.checkpoint.safetensors import SafetensorsFile, TensorIndex, save_file
 from fp8_checkpoints import quantize_block_wise
 from hf_models import hf_model, save
 
@@ -287,7 +287,7 @@ def orbax_bf16(bf16_source, tmp_path_factory) -> Path:
 def test_orbax_layout_and_mtp(bf16_source, orbax_bf16):
     import orbax.checkpoint as ocp
 
-    from dsv3_jax.orbax_io import stored_arrays
+    from dsv3_jax.checkpoint.orbax import stored_arrays
 
     assert sorted(p.name for p in orbax_bf16.iterdir()) == [
         "config.json", "generation_config.json", "state", "tokenizer.json", "tokenizer_config.json"]
@@ -331,7 +331,7 @@ def test_orbax_checks_the_config(orbax_bf16):
 
 
 def test_orbax_fp8(fp8_source, tmp_path):
-    from dsv3_jax.orbax_io import stored_arrays
+    from dsv3_jax.checkpoint.orbax import stored_arrays
 
     out = tmp_path / "orbax_fp8"
     run_main("to_orbax", "--hf-ckpt-path", fp8_source, "--save-path", out)

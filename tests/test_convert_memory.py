@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv3_jax.safetensors_io import TensorIndex
+from dsv3_jax.checkpoint.safetensors import TensorIndex
 from test_convert import make_source
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from dsv3_jax.safetensors_io import CheckpointError
+from dsv3_jax.errors import CheckpointError
 from fp8_checkpoints import save_fp8
 from hf_models import hf_model, hf_step_logits
 
@@ -82,7 +82,7 @@ def test_fp8_gemm_within_two_percent(fp8_checkpoint, tmp_path, scale_fmt):
 def test_fp8_weight_without_scale_is_named(fp8_checkpoint, tmp_path):
     import shutil
 
-    from dsv3_jax.safetensors_io import SafetensorsFile, save_file
+    from dsv3_jax.checkpoint.safetensors import SafetensorsFile, save_file
 
     directory = shutil.copytree(fp8_checkpoint[1], tmp_path / "noscale")
     index_path = directory / "model.safetensors.index.json"
@@ -106,8 +106,8 @@ def test_fp8_paths_are_exact():
     from flax import nnx
     from jax.sharding import PartitionSpec as P
 
-    from dsv3_jax.layers import Linear
-    from dsv3_jax.moe import grouped_matmul
+    from dsv3_jax.model.layers import Linear
+    from dsv3_jax.model.moe import grouped_matmul
     from dsv3_jax.sharding import make_mesh
     from pallas_kernels import reference
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dsv3_jax.config import ModelArgs
-from dsv3_jax.moe import Gate
+from dsv3_jax.model.moe import Gate
 
 
 def reference_gate(x, weight, bias, score_func, groups, topk_groups, topk, normalize, route_scale):

@@ -193,7 +193,7 @@ def _v3_operands(m, n, k, scale_fmt):
 
 @pytest.mark.gpu
 def test_gpu_is_sm90():
-    assert GM.is_sm90(), f"expected an sm_90 GPU, got {jax.devices()[0]}"
+    assert GM.hopper(), f"expected an sm_90 GPU, got {jax.devices()[0]}"
     assert GM.fp8_gemm_path(4096, 18432, 7168) == "mosaic" and GM.fp8_gemm_path(64, 18432, 7168) == "triton"
 
 

@@ -137,7 +137,7 @@ def test_two_gpus_complete_like_one(layout):
     """On 2 GPUs every layout's greedy completions equal 1 GPU's (the tiny checkpoint, float32)."""
     if len(jax.devices("gpu")) < 2:
         pytest.skip("needs 2 GPUs")
-    from dsv3_jax.chat import ASSETS
+    from dsv3_jax.cli.chat import ASSETS
 
     def complete(devices, layout):
         model = dsv3_jax.load(ASSETS / "tiny", compute_dtype="float32", num_devices=devices, layout=layout,

@@ -10,7 +10,8 @@ import torch
 import jax
 
 import dsv3_jax
-from dsv3_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
+from dsv3_jax.checkpoint.safetensors import SafetensorsFile, save_file
+from dsv3_jax.errors import CheckpointError
 from hf_models import hf_model, save
 
 

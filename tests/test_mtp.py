@@ -1,5 +1,5 @@
 """Multi-token prediction: the MTP module against Hugging Face's block (float32 torch) and against an
-independent float64 numpy statement of REFERENCE.md §6 (both loaded from an HF directory), greedy speculative decoding identical to plain decoding (1 and 4 devices, unequal
+independent float64 numpy statement of the MTP module's math (DeepSeek-V3 technical report §2.2) (both loaded from an HF directory), greedy speculative decoding identical to plain decoding (1 and 4 devices, unequal
 prompts, budgets cut by max_seq_len), and the sampled distribution equal to the main model's."""
 import json
 from pathlib import Path
@@ -14,11 +14,11 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 import dsv3_jax
-from dsv3_jax.cache import cache_specs
 from dsv3_jax.config import ModelArgs
+from dsv3_jax.errors import CheckpointError
+from dsv3_jax.model.cache import cache_specs
+from dsv3_jax.model.rope import inverse_frequencies, rotary_angles
 from dsv3_jax.options import StepContext
-from dsv3_jax.rope import inverse_frequencies, rotary_angles
-from dsv3_jax.safetensors_io import CheckpointError
 from dsv3_jax.sharding import partition_specs
 from hf_models import V3_TINY, hf_model, save
 
@@ -58,7 +58,7 @@ def rms(x, w, eps=1e-6):
 
 
 def hf_mtp_logits(hf, extra, tokens: np.ndarray) -> np.ndarray:
-    """REFERENCE.md §6 in float32 torch with HF's modules: logits of t_{i+2} for i in [0, S-2]."""
+    """The MTP module in float32 torch with HF's modules: logits of t_{i+2} for i in [0, S-2]."""
     ids = torch.as_tensor(tokens, dtype=torch.long)
     t = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in extra.items()}
     with torch.no_grad():
@@ -138,7 +138,7 @@ def rope_scaling(cfg: dict) -> dict:
 
 
 def yarn_frequencies(cfg: dict) -> np.ndarray:
-    """REFERENCE.md §2 (YaRN), float64."""
+    """YaRN (DeepSeek's reference rotary embedding), float64."""
     rs = rope_scaling(cfg)
     d, theta = cfg["qk_rope_head_dim"], cfg.get("rope_theta", rs.get("rope_theta"))
     freqs = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
@@ -207,7 +207,7 @@ def np_block(T, cfg, layer, x, positions):
 
 
 def numpy_mtp_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
-    """REFERENCE.md §6 in float64 numpy from the checkpoint's tensors: logits of t_{i+2}, i in [0, S-2]."""
+    """The MTP module in float64 numpy from the checkpoint's tensors: logits of t_{i+2}, i in [0, S-2]."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((directory / "config.json").read_text())

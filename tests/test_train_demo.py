@@ -1,6 +1,6 @@
 """The demo-model trainer on a tiny slice, on the CPU: the loss falls, the checkpoint it writes is an
 HF-layout checkpoint with the MTP module at layer num_hidden_layers, and it loads with dsv3_jax.load
-(and dsv3_jax.mtp.load_mtp) to give the same held-out losses as the trained parameters."""
+(and dsv3_jax.checkpoint.mtp.load_mtp) to give the same held-out losses as the trained parameters."""
 import json
 from pathlib import Path
 
@@ -36,7 +36,7 @@ def test_loss_falls_and_checkpoint_reloads(trained):
 
 
 def test_checkpoint_layout(trained):
-    from dsv3_jax.safetensors_io import TensorIndex
+    from dsv3_jax.checkpoint.safetensors import TensorIndex
 
     out, log = trained
     config = json.loads((out / "config.json").read_text())
@@ -71,7 +71,7 @@ def test_reloaded_logits_match_the_serving_path(trained):
 
 def test_sharded_write_reads_back(trained, tmp_path):
     """Checkpoints over the file limit go to the hub's sharded layout (files + index), read as one."""
-    from dsv3_jax.safetensors_io import TensorIndex
+    from dsv3_jax.checkpoint.safetensors import TensorIndex
     from dsv3_jax.training import write_checkpoint
 
     out, _ = trained

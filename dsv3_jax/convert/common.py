@@ -1,7 +1,7 @@
-"""What the three checkpoint tools share: the command-line wrapper, the staging directory that is
-renamed into place only when everything is written, reading tensors out of memory-mapped files,
+"""What the three checkpoint tools share: the command-line wrapper, the output directory (staged and
+renamed into place by `dsv3_jax.checkpoint.export`), reading tensors out of memory-mapped files,
 and the check of a Hugging Face checkpoint against the model its config describes
-(`dsv3_jax.schema`, the same check the loader makes).
+(`dsv3_jax.checkpoint.schema`, the same check the loader makes).
 
 Memory: tensors are read from memory-mapped files one at a time and copied out only as far as
 the output needs; `read_tensor` drops the file mapping after each copy so that pages touched in
@@ -10,21 +10,18 @@ the input do not accumulate in the process. Outputs are written tensor by tensor
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import secrets
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cli import run_cli
+from ..checkpoint.safetensors import SafetensorsFile, TensorIndex
+from ..checkpoint.schema import HF_CONFIG, CheckedTensors, check_tensors
+from ..cli.common import run_cli
 from ..config import ModelArgs
 from ..progress import progress_bar
-from ..safetensors_io import SafetensorsFile, TensorIndex
-from ..schema import HF_CONFIG, CheckedTensors, check_tensors
 
 TOKENIZER_GLOB = "*token*"  # tokenizer.json, tokenizer_config.json, tokenizer.model, ... (as the reference)
 
@@ -46,36 +43,6 @@ def progress(items, *, desc: str, total: int | None = None, unit: str = "tensor"
 
 
 # ------------------------------------------------------------------ output directory
-def check_output_path(target: str | Path) -> Path:
-    """`target` as an absolute path, if the tool may write there: it must not exist (or be an empty
-    directory), so nothing already there is overwritten. Checked before any input is read."""
-    target = Path(target).absolute()
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ToolError(f"save path {target} already exists and is not empty")
-    return target
-
-
-@contextlib.contextmanager
-def staging_directory(target: str | Path) -> Iterator[Path]:
-    """A fresh directory beside `target`, renamed to `target` when the block succeeds and removed
-    when it fails, so that a failure leaves no half-written checkpoint (see `check_output_path`)."""
-    target = check_output_path(target)
-    staging = target.parent / f".{target.name}.{secrets.token_hex(4)}.partial"
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging.mkdir()  # exclusive: a clash with another run fails instead of sharing the directory
-    except OSError as err:  # named by the user's path, not the staging name they never gave
-        raise ToolError(f"cannot create save path {target}: {err.strerror or err}") from None
-    try:
-        yield staging
-        if target.exists():
-            target.rmdir()
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
 def copy_tokenizer_files(source: Path, destination: Path) -> list[str]:
     """Copy the tokenizer files (`*token*`, as the reference does); returns their names."""
     copied = []

@@ -22,14 +22,15 @@ import contextlib
 import sys
 from pathlib import Path
 
-from ..cli import ArgumentParser
-from ..config import ModelArgs
-from ..safetensors_io import SafetensorsWriter
-from ..schema import (MTP_STATE, abstract_state, expected_tensors, hf_name, rank_file_name, routed_expert,
+from ..checkpoint.export import check_output_path, staging_directory
+from ..checkpoint.safetensors import SafetensorsWriter
+from ..checkpoint.schema import (MTP_STATE, abstract_state, expected_tensors, hf_name, rank_file_name, routed_expert,
                       split_dim)
+from ..cli.common import ArgumentParser
+from ..config import ModelArgs
 from ..sharding import check_divisible
-from .common import (ToolError, check_output_path, check_source, copy_tokenizer_files, in_file_order,
-                     load_hf_config, progress, read_tensor, run_tool, staging_directory)
+from .common import (ToolError, check_source, copy_tokenizer_files, in_file_order, load_hf_config, progress,
+                     read_tensor, run_tool)
 
 
 def check_model_parallel(args: ModelArgs, n_experts: int, world: int) -> None:

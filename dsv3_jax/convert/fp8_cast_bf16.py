@@ -26,11 +26,12 @@ from tqdm import tqdm
 
 from pallas_kernels import FP8_BLOCK, cdiv, weight_dequant
 
-from ..cli import ArgumentParser
-from ..safetensors_io import CheckpointError, SafetensorsWriter
-from ..schema import FP8, HF_CONFIG, HF_INDEX
-from .common import (ToolError, check_output_path, check_source, load_hf_config, progress, read_tensor, run_tool,
-                     staging_directory)
+from ..checkpoint.export import check_output_path, staging_directory
+from ..checkpoint.safetensors import SafetensorsWriter
+from ..checkpoint.schema import FP8, HF_CONFIG, HF_INDEX
+from ..cli.common import ArgumentParser
+from ..errors import CheckpointError
+from .common import ToolError, check_source, load_hf_config, progress, read_tensor, run_tool
 
 SCALE_SUFFIX = "_scale_inv"
 BF16 = np.dtype(ml_dtypes.bfloat16)

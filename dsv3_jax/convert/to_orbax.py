@@ -4,7 +4,7 @@
 
 OUT receives `state/` (orbax: every parameter in the stacked layout the model uses, fp8 weights
 kept fp8 with their float32 scales, the multi-token-prediction tensors under "mtp"), the Hugging
-Face `config.json` and the tokenizer files; see dsv3_jax/orbax_io.py. Restore it on any device
+Face `config.json` and the tokenizer files; see dsv3_jax/checkpoint/orbax.py. Restore it on any device
 count that divides the model with `dsv3_jax.load(OUT, num_devices=N)`.
 
 Peak host memory is about the largest single tensor: each stacked parameter is written one layer
@@ -18,12 +18,13 @@ from pathlib import Path
 
 from flax import nnx
 
-from ..cli import ArgumentParser
-from ..orbax_io import MTP_KEY, STATE_DIR, StreamedArray, save_streamed
-from ..safetensors_io import CheckpointError
-from ..schema import HF_CONFIG, CheckedTensors, abstract_state, hf_name, reference_names, stacked_axes
-from .common import (check_output_path, check_source, copy_tokenizer_files, load_hf_config, progress, read_tensor,
-                     run_tool, staging_directory)
+from ..checkpoint.export import check_output_path, staging_directory
+from ..checkpoint.orbax import STATE_DIR, StreamedArray, save_streamed
+from ..checkpoint.schema import (HF_CONFIG, MTP_STATE, CheckedTensors, abstract_state, hf_name, reference_names,
+                                 stacked_axes)
+from ..cli.common import ArgumentParser
+from ..errors import CheckpointError
+from .common import check_source, copy_tokenizer_files, load_hf_config, progress, read_tensor, run_tool
 
 EXTRA_FILES = ("generation_config.json",)
 
@@ -77,7 +78,7 @@ def to_orbax(hf_ckpt_path: Path, save_path: Path) -> None:
         nest(tree, key, streamed(source, blocks, shape, (1,) * axes + shape[axes:], "/".join(key), bar))
     for name in source.mtp:
         shape = tuple(source.index.shape(name))
-        keys = (MTP_KEY, *name.removeprefix("model.").split("."))
+        keys = (MTP_STATE, *name.removeprefix("model.").split("."))
         nest(tree, keys, streamed(source, [((), name)], shape, shape, name, bar))
 
     with staging_directory(save_path) as staging:

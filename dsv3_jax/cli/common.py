@@ -15,6 +15,10 @@ from typing import Callable, NoReturn, Sequence
 USER_ERRORS = (ValueError, OSError)
 
 
+class UsageError(ValueError):
+    """A problem the user can fix (bad flags, files, prompts, settings); reported in one line."""
+
+
 def one_line(err: BaseException) -> str:
     """The error's message with its whitespace (newlines included) collapsed."""
     return " ".join(str(err).split()) or type(err).__name__

@@ -15,7 +15,7 @@ from flax import nnx
 
 from pallas_kernels import FP8_BLOCK, FP8_DTYPE, act_quant, cdiv, fp8_gemm, weight_dequant
 
-from .sharding import LOGICAL_AXES, Layout
+from ..sharding import LOGICAL_AXES, Layout
 
 
 def param(value, partition) -> nnx.Param:

@@ -25,9 +25,9 @@ from flax import nnx
 
 from pallas_kernels import FP8_DTYPE
 
-from .config import ModelArgs
-from .model import Transformer
-from .safetensors_io import CheckpointError
+from ..config import ModelArgs
+from ..errors import CheckpointError
+from ..model.transformer import Transformer
 
 HF_CONFIG = "config.json"
 HF_INDEX = "model.safetensors.index.json"
@@ -42,7 +42,7 @@ HF_COMPONENTS = {
     "bias": "e_score_correction_bias",
 }
 STACKS = ("dense_layers", "moe_layers")
-MTP_STATE = "mtp"  # the state's subtree of the MTP module (Transformer(mtp=True))
+MTP_STATE = "mtp"  # the MTP module's subtree: of the state (Transformer(mtp=True)) and of an orbax checkpoint
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 

@@ -16,12 +16,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from pallas_kernels import cdiv
 
-from .config import ModelArgs
-from .progress import progress_bar
-from .safetensors_io import CheckpointError, SafetensorsFile, TensorIndex
+from ..config import ModelArgs
+from ..errors import CheckpointError
+from ..progress import progress_bar
+from .safetensors import SafetensorsFile, TensorIndex
 from .schema import HF_CONFIG, check_tensors, hf_name, rank_files, reference_names, routed_expert, split_dim, \
     stacked_axes
-from .sharding import Layout, partition_specs
+from ..sharding import Layout, partition_specs
 
 
 def _read_block(index: TensorIndex, name: str, window: tuple[slice, ...], dtype) -> np.ndarray:

@@ -34,12 +34,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from .config import ModelArgs
-from .safetensors_io import CheckpointError
-from .sharding import Layout, partition_specs
+from ..config import ModelArgs
+from ..errors import CheckpointError
+from ..sharding import Layout, partition_specs
+from .schema import MTP_STATE
 
 STATE_DIR = "state"
-MTP_KEY = "mtp"
 CHUNK_BYTES = 4 << 20  # TensorStore read chunk inside each written block: a device reads whole chunks
 
 
@@ -183,7 +183,7 @@ def restore_state(directory: str | Path, abstract_state: nnx.State, args: ModelA
         args_node[key[-1]] = ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=sharding, global_shape=shape,
                                                   dtype=None if fp8_target else np.dtype(target.dtype))
         wanted.append((path, variable, key))
-    extra = [p for p in stored if p[0] != MTP_KEY and p not in {k for _, _, k in wanted}]
+    extra = [p for p in stored if p[0] != MTP_STATE and p not in {k for _, _, k in wanted}]
     if extra:
         raise CheckpointError(f"unexpected array {'/'.join(extra[0])!r} in {directory} (not part of this config)")
     with ocp.PyTreeCheckpointer() as checkpointer:
@@ -207,7 +207,7 @@ class OrbaxMTPIndex:
     def __init__(self, directory: str | Path, args: ModelArgs):
         self.directory = Path(directory)
         stored = stored_arrays(directory)
-        self._keys = {"model." + ".".join(key[1:]): key for key in stored if key[0] == MTP_KEY}
+        self._keys = {"model." + ".".join(key[1:]): key for key in stored if key[0] == MTP_STATE}
         self._meta = {name: stored[key] for name, key in self._keys.items()}
         self._arrays: dict[str, np.ndarray] | None = None
 

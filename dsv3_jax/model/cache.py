@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .config import ModelArgs
-from .sharding import Layout
+from ..config import ModelArgs
+from ..sharding import Layout
 
 
 def cache_window(end: int, max_seq_len: int) -> int:

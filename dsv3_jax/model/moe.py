@@ -18,9 +18,9 @@ from pallas_kernels import FP8_BLOCK, MOSAIC_MIN_ROWS, act_quant, grouped_gemm, 
 from pallas_kernels.reference import route_ref, weight_dequant_ref
 from pallas_kernels.router import route
 
-from .config import ModelArgs
+from ..config import ModelArgs
+from ..options import StepContext
 from .layers import Linear, init_normal, param
-from .options import StepContext
 
 
 class MLP(nnx.Module):
@@ -95,13 +95,11 @@ FUSED_MAX_ROWS = MOSAIC_MIN_ROWS
 def auto_moe_impl(slots: int, local_experts: int, kernels: bool) -> str:
     """What moe_impl "auto" runs for a step of `slots` (token, expert) assignments.
 
-    With the Pallas kernels (a GPU): "slots" up to SLOTS_MAX (no sort, scatter or schedule: V2-Lite
-    decode b=1 2.94 vs 3.27 ms for "fused", b=8 (48 slots) 7.80 vs 8.42; but b=32 14.76 vs 11.81,
-    where experts chosen by several tokens are read once per slot, and the V3 shape's b=8 (64 slots,
-    fp8) ran 5.40 ms against 4.72 ms for a 2-token "fused" step); "fused" up to FUSED_MAX_ROWS;
-    "kernel" above (prefill: 25.4k vs 24.4k tok/s for "fused" at 1x512). Without them: "gather"
-    when the experts in use are few next to the local experts, else "ragged".
-    (Measured on one H200, benchmarks/NOTES.md items 15-17.)"""
+    With the Pallas kernels (a GPU): "slots" up to SLOTS_MAX (no sort, scatter or schedule; past it,
+    experts chosen by several tokens are read once per slot and "fused" wins); "fused" up to
+    FUSED_MAX_ROWS; "kernel" above (prefill). Without them: "gather" when the experts in use are
+    few next to the local experts, else "ragged". The boundaries come from the timings in
+    benchmarks/NOTES.md ("Where the code's thresholds come from")."""
     if kernels:
         return "slots" if slots <= SLOTS_MAX else "fused" if slots <= FUSED_MAX_ROWS else "kernel"
     return "gather" if 2 * slots <= local_experts else "ragged"
@@ -264,7 +262,7 @@ class Experts(nnx.Module):
         stacked = stack_index if self.w1.weight.ndim == 4 else None
         scale = lambda linear: None if linear.scale is None else linear.scale[...]  # noqa: E731
         # one row per slot: each is a tile of its own (padding the slots to a whole tile of rows
-        # launched a tile per padded row too: b=1 3.35 ms against 2.94 ms, benchmarks/NOTES.md 16)
+        # would launch a tile per padded row too; benchmarks/NOTES.md)
         rows = jnp.repeat(x, topk, axis=0)
         row_weights = weights.reshape(-1).astype(jnp.float32)
         hidden = grouped_swiglu(rows, self.w1.weight[...], self.w3.weight[...], scale(self.w1), scale(self.w3),
@@ -288,7 +286,8 @@ class MoE(nnx.Module):
                                    param_dtype=param_dtype, fp8=args.quantized, rngs=rngs, hidden="shared_ffn")
                                if args.n_shared_experts else None)
 
-    def __call__(self, x: jnp.ndarray, ctx: StepContext, stack_index=None) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, stack_index=None, *, loads: bool = False):
+        """-> the output, the shape of x; with `loads`, also the tokens each routed expert received (E,)."""
         layout = ctx.layout
         shape = x.shape
         local = x.reshape(-1, shape[-1])
@@ -313,4 +312,8 @@ class MoE(nnx.Module):
         if self.shared_experts is not None and not shared_joins:
             with jax.named_scope("shared_experts"):
                 y = y + self.shared_experts(local, ctx, reduce=True).astype(jnp.float32)
-        return y.astype(x.dtype).reshape(shape)
+        y = y.astype(x.dtype).reshape(shape)
+        if not loads:
+            return y
+        counted = indices.reshape(-1)  # padding rows' -1 count for no expert
+        return y, jnp.bincount(counted, weights=(counted >= 0).astype(jnp.int32), length=self.gate.weight.shape[-2])

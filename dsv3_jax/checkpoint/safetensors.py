@@ -14,6 +14,8 @@ from typing import Sequence
 import ml_dtypes
 import numpy as np
 
+from ..errors import CheckpointError
+
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -22,10 +24,6 @@ DTYPES = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read as it stands; the message names the file or tensor."""
 
 
 class SafetensorsFile:

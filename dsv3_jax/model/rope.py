@@ -10,7 +10,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from .config import ModelArgs
+from ..config import ModelArgs
 
 
 def inverse_frequencies(args: ModelArgs) -> np.ndarray:

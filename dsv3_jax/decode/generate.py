@@ -1,4 +1,5 @@
-"""Generation: the reference's sampler, a jitted prefill and decode step, and the loop that drives them.
+"""Generation: a jitted prefill and decode step, and the one loop that drives them, for plain and
+speculative decoding (`speculative`: the MTP steps' math).
 
 One `generate` call has a fixed `Plan`: the prompts are right-padded to a length bucket (a power
 of two, at least 16) for one prefill, and every decode step attends over one cache window
@@ -19,48 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import cache_window
+from ..model.cache import cache_window
+from .sampling import sample
+from .speculative import SpecState
 
 MIN_PREFILL_BUCKET = 16
-
-
-def sample(logits: jax.Array, temperature: jax.Array, key: jax.Array, *, top_k: int = 0,
-           top_p: float = 1.0) -> jax.Array:
-    """One token per row of `logits` (B, vocab), as the reference samples.
-
-    p = softmax(logits / max(T, 1e-5)) and token = argmax(p / E), E ~ Exponential(1) (an exact
-    draw from p); T == 0 means argmax. `top_k` > 0 keeps the k most likely tokens and `top_p` < 1
-    the smallest set whose probability reaches top_p (both off by default).
-    """
-    logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1)
-    sampled = draw(distribution(logits, temperature, top_k=top_k, top_p=top_p), key)
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
-
-
-def distribution(logits: jax.Array, temperature: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
-    """The distribution `sample` draws from when temperature > 0: softmax(logits / T) with the
-    top-k / top-p filters applied and renormalised (float32, the shape of `logits`)."""
-    logits = logits.astype(jnp.float32)
-    scaled = logits / jnp.maximum(temperature, 1e-5)
-    if top_k:
-        kth = jax.lax.top_k(scaled, top_k)[0][..., -1:]
-        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    if top_p < 1.0:
-        ordered = -jnp.sort(-probs, axis=-1)
-        mass_before = jnp.cumsum(ordered, axis=-1) - ordered
-        kept = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)
-        smallest_kept = jnp.take_along_axis(ordered, kept - 1, axis=-1)
-        probs = jnp.where(probs >= smallest_kept, probs, 0.0)
-    return probs
-
-
-def draw(probs: jax.Array, key: jax.Array) -> jax.Array:
-    """An exact draw from each row of (unnormalised, non-negative) `probs`: argmax(probs / E),
-    E ~ Exponential(1)."""
-    noise = jax.random.exponential(key, probs.shape, jnp.float32)
-    return jnp.argmax(probs / noise, axis=-1).astype(jnp.int32)
 
 
 class DecodeState(NamedTuple):
@@ -169,12 +133,14 @@ def _check_options(model, max_new_tokens, temperature, top_k, top_p, seed) -> No
 
 
 def prefill(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, *, eos_id: int | None = None,
-            temperature: float = 1.0, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
-            window: int = 0) -> tuple[DecodeState, Plan]:
+            temperature: float = 1.0, seed: int = 0, top_k: int = 0, top_p: float = 1.0, window: int = 0,
+            mtp: bool = False) -> tuple[DecodeState | SpecState, Plan]:
     """Prefill `model`'s cache with the prompts and sample the first tokens: (state, plan) for `decode`.
 
     window: a minimum attention window for the whole call (see `Plan.make`); a caller that passes
-    the same window every time (the chat passes max_seq_len) reuses one compiled decode step."""
+    the same window every time (the chat passes max_seq_len) reuses one compiled decode step.
+    mtp: also run the MTP module over the prompts and draft the next tokens (speculative decoding)."""
+    step = model.mtp_steps[0] if mtp else functools.partial(prefill_step, step=model.step)
     prompts = _check_prompts(model, prompt_tokens)
     _check_options(model, max_new_tokens, temperature, top_k, top_p, seed)
     plan = Plan.make([len(p) for p in prompts], max_new_tokens, model.args.max_seq_len, top_k=top_k,
@@ -182,18 +148,27 @@ def prefill(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, 
     tokens = np.zeros((len(prompts), plan.bucket), np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = prompt
-    state, model.cache = prefill_step(
+    state, model.cache = step(
         model.state, model.cache, tokens, np.asarray(plan.lengths, np.int32), np.asarray(plan.budgets, np.int32),
         np.uint32(seed), np.float32(temperature), np.int32(-1 if eos_id is None else eos_id),
-        step=model.step, kv_len=plan.kv_len, top_k=plan.top_k, top_p=plan.top_p)
+        kv_len=plan.kv_len, top_k=plan.top_k, top_p=plan.top_p)
     return state, plan
 
 
-def decode(model, state: DecodeState, plan: Plan) -> DecodeState:
-    """One decode step for every unfinished row (asynchronous: nothing waits for the device)."""
-    state, model.cache = decode_step(model.state, model.cache, state, step=model.step, kv_len=plan.kv_len,
-                                     top_k=plan.top_k, top_p=plan.top_p)
+def decode(model, state: DecodeState | SpecState, plan: Plan) -> DecodeState | SpecState:
+    """One decode step for every unfinished row (asynchronous: nothing waits for the device); a
+    speculative state takes a speculative step (verify the drafts, emit 1-2 tokens per row, draft again)."""
+    step = model.mtp_steps[1] if isinstance(state, SpecState) else functools.partial(decode_step, step=model.step)
+    state, model.cache = step(model.state, model.cache, state, kv_len=plan.kv_len, top_k=plan.top_k,
+                              top_p=plan.top_p)
     return state
+
+
+def emitted(state: DecodeState | SpecState) -> list[tuple[list[int], int]]:
+    """Per row, what the step that made `state` emitted: (its tokens, 1 if a draft was accepted)."""
+    if isinstance(state, SpecState):
+        return [([first, second][:count], accepted) for first, second, count, accepted in np.asarray(state.out).tolist()]
+    return [([token], 0) for token in np.asarray(state.token).tolist()]
 
 
 @dataclasses.dataclass
@@ -216,10 +191,44 @@ class Timing:
                 f"decode {self.decode_tokens} tokens {rate(self.decode_tokens, self.decode_seconds)}{accepted}]")
 
 
+@dataclasses.dataclass
+class _Progress:
+    """The host's side of a generation: completions so far, which rows still run, and the counts."""
+
+    completions: list[list[int]]
+    active: list[bool]
+    decoded: int = 0  # tokens kept from decode steps (the first of each row comes from the prefill)
+    drafts: int = 0  # speculative: drafts verified for rows still generating
+    accepted: int = 0
+    steps: int = 0  # model steps after the prefill
+
+    def take(self, state, plan: Plan, eos_id: int | None, after_prefill: bool) -> None:
+        """Append what the newest step emitted to each active row, up to its eos or budget."""
+        self.steps += after_prefill
+        for row, (tokens, was_accepted) in enumerate(emitted(state)):
+            if not self.active[row]:
+                continue
+            self.drafts += after_prefill
+            self.accepted += was_accepted if after_prefill else 0
+            for token in tokens:
+                if token == eos_id:
+                    self.active[row] = False
+                    break
+                self.completions[row].append(token)
+                self.decoded += after_prefill
+                if len(self.completions[row]) >= plan.budgets[row]:
+                    self.active[row] = False
+                    break
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafts if self.drafts else 0.0
+
+
 def generate(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | None,
              temperature: float = 1.0, seed: int = 0, *, top_k: int = 0, top_p: float = 1.0, window: int = 0,
-             on_tokens: Callable[[list[list[int]]], None] | None = None,
-             timing: Timing | None = None) -> list[list[int]]:
+             on_tokens: Callable[[list[list[int]]], None] | None = None, timing: Timing | None = None,
+             mtp: bool = False, stats: dict | None = None) -> list[list[int]]:
     """Complete every prompt; the reference's contract with per-row positions.
 
     Row i emits at most min(max_new_tokens, total_len - len_i) tokens (total_len =
@@ -229,42 +238,42 @@ def generate(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int,
     dispatched before the newest tokens are fetched, so the one small transfer per step overlaps
     the device's work. `timing`, when given, receives the prefill's and the decode steps' tokens
     and seconds (it waits for the prefill to finish: compile before timing, e.g. with `warm_up`).
+
+    mtp: decode speculatively with the MTP module's one-token drafts (same outputs when greedy, the
+    same distribution when sampling). `stats` (a dict) then receives "drafts" (drafts verified for
+    rows still generating), "accepted" (of which accepted), "steps" (model steps after the prefill)
+    and "acceptance"; `timing` its acceptance rate.
     """
     started = time.perf_counter()
     state, plan = prefill(model, prompt_tokens, max_new_tokens, eos_id=eos_id, temperature=temperature, seed=seed,
-                          top_k=top_k, top_p=top_p, window=window)
+                          top_k=top_k, top_p=top_p, window=window, mtp=mtp)
     if timing is not None:
-        state.token.block_until_ready()
+        jax.block_until_ready(state)
         prefilled = time.perf_counter()
         timing.prefill_tokens, timing.prefill_seconds = sum(plan.lengths), prefilled - started
-    completions: list[list[int]] = [[] for _ in plan.lengths]
-    active = [budget > 0 for budget in plan.budgets]
-    decoded = 0  # tokens kept from decode steps (the first of each row comes from the prefill)
+    progress = _Progress([[] for _ in plan.lengths], [budget > 0 for budget in plan.budgets])
+    # at most max_new_tokens steps (each emits at least one token per active row)
     for index in range(plan.max_new_tokens):
         following = decode(model, state, plan) if index + 1 < plan.max_new_tokens else None
-        tokens = np.asarray(state.token)
-        for row, token in enumerate(tokens.tolist()):
-            if not active[row]:
-                continue
-            if token == eos_id:
-                active[row] = False
-                continue
-            completions[row].append(token)
-            decoded += index > 0
-            active[row] = len(completions[row]) < plan.budgets[row]
+        progress.take(state, plan, eos_id, after_prefill=index > 0)
         if on_tokens is not None:
-            on_tokens(completions)
-        if not any(active):
+            on_tokens(progress.completions)
+        if not any(progress.active):
             break
         state = following
+    if mtp and stats is not None:
+        stats.update(drafts=progress.drafts, accepted=progress.accepted, steps=progress.steps,
+                     acceptance=progress.acceptance)
     if timing is not None:
-        timing.decode_tokens, timing.decode_seconds = decoded, time.perf_counter() - prefilled
-    return completions
+        timing.decode_tokens, timing.decode_seconds = progress.decoded, time.perf_counter() - prefilled
+        if mtp:
+            timing.acceptance = progress.acceptance
+    return progress.completions
 
 
 def warm_up(model, lengths: Sequence[int], max_new_tokens: int, *, top_k: int = 0, top_p: float = 1.0,
-            window: int = 0) -> None:
+            window: int = 0, mtp: bool = False) -> None:
     """Compile the prefill and decode steps that prompts of these lengths will use (one step each)."""
     state, plan = prefill(model, [[0] * n for n in lengths], max_new_tokens, top_k=top_k, top_p=top_p,
-                          window=window)
-    decode(model, state, plan).token.block_until_ready()
+                          window=window, mtp=mtp)
+    jax.block_until_ready(decode(model, state, plan))

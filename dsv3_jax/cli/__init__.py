@@ -1,0 +1,1 @@
+"""The command line: what every tool shares (common), multi-process start-up (distributed), the chat CLI."""

@@ -1,0 +1,77 @@
+"""One decoder layer (attention, then a dense MLP or an MoE) and the scan that runs a stack of them.
+
+Layers of one kind are stacked (leading layer axis on every parameter) and run by `jax.lax.scan`,
+so compile time does not grow with depth.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..config import ModelArgs
+from ..options import StepContext
+from .attention import MLA
+from .layers import RMSNorm
+from .moe import MLP, MoE
+
+
+class Block(nnx.Module):
+    """h = x + attn(attn_norm(x)); out = h + ffn(ffn_norm(h)), with a dense MLP or an MoE as ffn."""
+
+    def __init__(self, args: ModelArgs, *, moe: bool, stack: tuple[int, ...] = (), param_dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        self.attn = MLA(args, stack=stack, param_dtype=param_dtype, rngs=rngs)
+        if moe:
+            self.ffn = MoE(args, stack=stack, param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.ffn = MLP(args.dim, args.inter_dim, stack=stack, param_dtype=param_dtype, fp8=args.quantized,
+                           rngs=rngs)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, stack=stack)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, stack=stack)
+
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict | None, layer, stack_index=None, *,
+                 loads: bool = False):
+        """-> (block output, this layer's new cache entries), and with `loads` the routed experts'
+        loads (E,) (None for a dense block). `layer` (the model's layer number) indexes the cache
+        (None: no cache, the chunk attends to itself); `stack_index` (the layer's place in its
+        stack) the routed-expert weight stack, when the experts hold every layer of their stack."""
+        with jax.named_scope("attn_norm"):
+            normed = self.attn_norm(x)
+        with jax.named_scope("attention"):
+            attn_out, entries = self.attn(normed, ctx, cache, layer)
+        h = x + attn_out
+        with jax.named_scope("ffn_norm"):
+            normed = self.ffn_norm(h)
+        expert_loads = None
+        if isinstance(self.ffn, MoE):
+            ffn_out = self.ffn(normed, ctx, stack_index, loads=loads)
+            if loads:
+                ffn_out, expert_loads = ffn_out
+        else:
+            with jax.named_scope("mlp"):
+                ffn_out = self.ffn(normed, ctx, reduce=True)
+        return (h + ffn_out, entries, expert_loads) if loads else (h + ffn_out, entries)
+
+
+def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None, first_layer: int, *,
+              loads: bool = False, remat: bool = False):
+    """Apply the stacked layers in order with `jax.lax.scan` (cache rows indexed by global layer);
+    returns the output and the stacked new cache entries (depth, B, S, ...), and with `loads` the
+    stacked expert loads (depth, E) (None for dense layers). `remat` recomputes each layer's
+    activations in the backward pass instead of keeping them (training)."""
+    # routed experts stay whole (the grouped kernel indexes the layer); everything else is scanned over
+    graphdef, routed, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
+    depth = jax.tree.leaves(rest)[0].shape[0]
+    has_routed = bool(jax.tree.leaves(routed))
+
+    def one_layer(h, xs):
+        layer_state, index = xs
+        block = nnx.merge(graphdef, routed, layer_state)
+        out = block(h, ctx, cache, first_layer + index, index if has_routed else None, loads=loads)
+        return out[0], out[1:]
+
+    if remat:
+        one_layer = jax.checkpoint(one_layer)
+    h, stacked = jax.lax.scan(one_layer, x, (rest, jnp.arange(depth)), unroll=depth if ctx.options.unroll else 1)
+    return (h, *stacked)
