@@ -45,6 +45,14 @@ class RunOptions:
     router: str = _choice("xla", ("xla", "kernel"),
                           "MoE routing after the gate GEMM (scores, group-limited top-k, weights): XLA ops or "
                           "one Pallas kernel")
+    prefill_attn: str = _choice("auto", ("auto", "kernel", "jnp", "dense"),
+                                "attention of multi-token steps (prefill chunks): flash attention over per-head "
+                                "keys and values, as the Mosaic GPU kernel or its portable jnp twin (online "
+                                "softmax over key blocks), or the dense scores (a small-size oracle; memory grows "
+                                "with queries x keys). auto: the kernel on a Hopper GPU, the twin elsewhere")
+    prefill_chunk: int = _choice(8192, tuple(1 << n for n in range(6, 18)),
+                                 "tokens per row in one prefill step: longer prompts are prefilled chunk by chunk "
+                                 "into the cache, which bounds activations and compilations (a power of two)")
     layout: str = _choice("tp", tuple(PRESETS),
                           "how the model is split over the devices, a preset of dsv3_jax.sharding.PRESETS: "
                           "attention tensor-parallel (tp), split by batch rows with its cache (dp-attn, "
@@ -96,8 +104,8 @@ def add_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) ->
         if field.type == "bool":
             parser.add_argument(flag, action="store_true", help=help)
         else:
-            parser.add_argument(flag, default=field.default, choices=field.metadata["choices"],
-                                help=f"{help} (default: {field.default})")
+            parser.add_argument(flag, default=field.default, type=type(field.default),
+                                choices=field.metadata["choices"], help=f"{help} (default: {field.default})")
 
 
 def from_flags(namespace: argparse.Namespace, **overrides) -> RunOptions:
