@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import mla_decode
+from pallas_kernels import flash_attention, mla_decode
 
 from ..config import ModelArgs
 from ..options import StepContext
@@ -93,56 +93,103 @@ class MLA(nnx.Module):
         `cache` is read, not written: attention sees its window with this chunk's entries put in
         place, and the caller stores the returned entries (see `write_cache`)."""
         batch, seq, _ = x.shape
+        q_nope, q_pe, latent, k_pe = self._project(x, ctx)
+        flash = flash_impl(ctx.options.prefill_attn, seq, cache is not None)
+        if ctx.options.attn_impl == "naive":
+            out, entries = self._naive(q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash)
+        else:
+            out, entries = self._absorb(q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash)
+        return self.wo(out.reshape(batch, seq, -1), reduce=ctx.layout.axes("heads"), **ctx.gemm), entries
+
+    def _project(self, x: jnp.ndarray, ctx: StepContext):
+        """The rotated query halves (B, S, H, nope), (B, S, H, rope), the normed latent (B, S, C) and
+        the rotated shared rotary key (B, S, rope) of the chunk."""
+        batch, seq, _ = x.shape
         gemm = ctx.gemm
         if hasattr(self, "wq"):
             q = self.wq(x, **gemm)
         else:
             q = self.wq_b(self.q_norm(self.wq_a(x, **gemm)), **gemm)
         q = q.reshape(batch, seq, -1, self.nope_dim + self.rope_dim)
-        heads = q.shape[2]
         q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim:]
         q_pe = apply_rotary(q_pe, ctx.cos, ctx.sin, self.rope_interleave)
         kv = self.wkv_a(x, **gemm)
         latent, k_pe = kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank:]
         k_pe = apply_rotary(k_pe, ctx.cos, ctx.sin, self.rope_interleave)
-        latent = self.kv_norm(latent)
+        return q_nope, q_pe, self.kv_norm(latent), k_pe
 
-        # key position t is visible to the query at position p iff t <= p. Without a cache (a
-        # full-sequence pass, e.g. training) the chunk's own tokens are the keys.
-        key_pos = jnp.arange(ctx.kv_len)[None, None, None, :] if cache is not None else ctx.positions[:, None, None, :]
-        visible = key_pos <= ctx.positions[:, :, None, None]  # (B, S, 1, T)
-        if ctx.kv_start:  # the MTP block's cache starts at position kv_start
-            visible = visible & (key_pos >= ctx.kv_start)
-
-        if ctx.options.attn_impl == "naive":
-            kv_full = self.wkv_b(latent, **gemm).reshape(batch, seq, heads, self.nope_dim + self.v_dim)
-            k_nope, v = kv_full[..., : self.nope_dim], kv_full[..., self.nope_dim:]
-            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (batch, seq, heads, self.rope_dim))], -1)
-            entries = dict(k=k, v=v)
-            keys = _window(cache, "k", layer, ctx, k)
-            values = _window(cache, "v", layer, ctx, v)
-            q_full = jnp.concatenate([q_nope, q_pe], -1)
-            scores = _einsum("bshd,bthd->bsht", q_full, keys) * self.softmax_scale
-            probs = _softmax(scores, visible).astype(x.dtype)
-            out = _einsum("bsht,bthd->bshd", probs, values).astype(x.dtype)
+    def _naive(self, q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash):
+        """Per-head keys and values from wkv_b, cached as such."""
+        batch, seq, heads, _ = q_nope.shape
+        dtype = q_nope.dtype
+        kv_full = self.wkv_b(latent, **ctx.gemm).reshape(batch, seq, heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv_full[..., : self.nope_dim], kv_full[..., self.nope_dim:]
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (batch, seq, heads, self.rope_dim))], -1)
+        keys, values = _window(cache, "k", layer, ctx, k), _window(cache, "v", layer, ctx, v)
+        q_full = jnp.concatenate([q_nope, q_pe], -1)
+        if flash:
+            out = flash_attention(q_full, keys.astype(dtype), values.astype(dtype), ctx.positions,
+                                  scale=self.softmax_scale, kv_start=ctx.kv_start, impl=flash)
         else:
-            wkv_b = self.wkv_b.dequantized(x.dtype).reshape(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-            entries = dict(kv=latent, pe=k_pe)
-            q_latent = _einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : self.nope_dim]).astype(x.dtype)
-            if decode_kernel(ctx.options.decode_attn) and seq == 1 and cache is not None and not ctx.kv_start:
-                # read in place: cache positions < p are the row's older tokens, plus its new entry
-                out_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], cache["kv"], cache["pe"], layer,
-                                        ctx.positions[:, 0], latent[:, 0], k_pe[:, 0], scale=self.softmax_scale,
-                                        kv_len=ctx.kv_len)[:, None].astype(x.dtype)
-            else:
-                latents = _window(cache, "kv", layer, ctx, latent)
-                rotary_keys = _window(cache, "pe", layer, ctx, k_pe)
-                scores = (_einsum("bshc,btc->bsht", q_latent, latents)
-                          + _einsum("bshr,btr->bsht", q_pe, rotary_keys)) * self.softmax_scale
-                probs = _softmax(scores, visible).astype(x.dtype)
-                out_latent = _einsum("bsht,btc->bshc", probs, latents).astype(x.dtype)
-            out = _einsum("bshc,hdc->bshd", out_latent, wkv_b[:, self.nope_dim:]).astype(x.dtype)
-        return self.wo(out.reshape(batch, seq, -1), reduce=ctx.layout.axes("heads"), **gemm), entries
+            scores = _einsum("bshd,bthd->bsht", q_full, keys) * self.softmax_scale
+            probs = _softmax(scores, _visible(ctx, cache is not None)).astype(dtype)
+            out = _einsum("bsht,bthd->bshd", probs, values).astype(dtype)
+        return out, dict(k=k, v=v)
+
+    def _absorb(self, q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash):
+        """The latent cache. Single-token and short steps fold wkv_b into the query and the output and
+        attend over the latents; prefill chunks expand the window's latents into per-head keys and
+        values for flash attention (fewer FLOPs per score, and no score buffer)."""
+        heads, dtype = q_nope.shape[2], q_nope.dtype
+        wkv_b = self.wkv_b.dequantized(dtype).reshape(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_k, w_v = wkv_b[:, : self.nope_dim], wkv_b[:, self.nope_dim:]
+        entries = dict(kv=latent, pe=k_pe)
+        latents, rotary_keys = _window(cache, "kv", layer, ctx, latent), _window(cache, "pe", layer, ctx, k_pe)
+        if flash:
+            k_nope = _einsum("btc,hdc->bthd", latents, w_k).astype(dtype)
+            keys = jnp.concatenate([k_nope, jnp.broadcast_to(rotary_keys[:, :, None, :].astype(dtype),
+                                                             k_nope.shape[:3] + (self.rope_dim,))], -1)
+            values = _einsum("btc,hdc->bthd", latents, w_v).astype(dtype)
+            out = flash_attention(jnp.concatenate([q_nope, q_pe], -1), keys, values, ctx.positions,
+                                  scale=self.softmax_scale, kv_start=ctx.kv_start, impl=flash)
+            return out, entries
+        q_latent = _einsum("bshd,hdc->bshc", q_nope, w_k).astype(dtype)
+        if decode_kernel(ctx.options.decode_attn) and q_nope.shape[1] == 1 and cache is not None and not ctx.kv_start:
+            # read in place: cache positions < p are the row's older tokens, plus its new entry
+            out_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], cache["kv"], cache["pe"], layer,
+                                    ctx.positions[:, 0], latent[:, 0], k_pe[:, 0], scale=self.softmax_scale,
+                                    kv_len=ctx.kv_len)[:, None].astype(dtype)
+        else:
+            scores = (_einsum("bshc,btc->bsht", q_latent, latents)
+                      + _einsum("bshr,btr->bsht", q_pe, rotary_keys)) * self.softmax_scale
+            probs = _softmax(scores, _visible(ctx, cache is not None)).astype(dtype)
+            out_latent = _einsum("bsht,btc->bshc", probs, latents).astype(dtype)
+        return _einsum("bshc,hdc->bshd", out_latent, w_v).astype(dtype), entries
+
+
+# Steps of fewer queries (decode, speculative verification) attend over the latents directly: the
+# expansion of the whole window through wkv_b costs more than their scores do.
+FLASH_MIN_QUERIES = 32
+_FLASH_IMPLS = {"auto": "auto", "kernel": "mosaic", "jnp": "jnp"}
+
+
+def flash_impl(prefill_attn: str, seq: int, cached: bool) -> str | None:
+    """The `flash_attention` impl a step of `seq` queries runs, or None for the dense scores: cached
+    multi-token steps (prefill chunks) under any `prefill_attn` but "dense". A full-sequence pass
+    without a cache (training) keeps the dense form, which has a gradient."""
+    if prefill_attn == "dense" or seq < FLASH_MIN_QUERIES or not cached:
+        return None
+    return _FLASH_IMPLS[prefill_attn]
+
+
+def _visible(ctx: StepContext, cached: bool) -> jnp.ndarray:
+    """(B, S, 1, T) mask: key position t is visible to the query at position p iff kv_start <= t <= p.
+    Without a cache (a full-sequence pass) the chunk's own tokens are the keys."""
+    key_pos = jnp.arange(ctx.kv_len)[None, None, None, :] if cached else ctx.positions[:, None, None, :]
+    visible = key_pos <= ctx.positions[:, :, None, None]
+    if ctx.kv_start:  # the MTP block's cache starts at position kv_start
+        visible = visible & (key_pos >= ctx.kv_start)
+    return visible
 
 
 def decode_kernel(decode_attn: str) -> bool:

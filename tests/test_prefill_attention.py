@@ -1,0 +1,85 @@
+"""Prefill chunks through flash attention (`RunOptions.prefill_attn`) against Hugging Face and the dense scores.
+
+Chunks of >= FLASH_MIN_QUERIES queries run flash attention over per-head keys and values: the naive form's
+cached ones, or the absorbed form's latents expanded through wkv_b. Prompts here straddle the jnp twin's
+64-key blocks, start at nonzero positions and leave rows at unequal positions, so a wrong mask, block
+boundary or expansion shows in the logits (HF's logits move by O(1) when one key is dropped or added)."""
+import numpy as np
+import pytest
+import torch
+
+import dsv3_jax
+from dsv3_jax.model.attention import FLASH_MIN_QUERIES, flash_impl
+from hf_models import hf_model, save
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    hf = hf_model("v3", seed=21, max_position_embeddings=512)
+    return hf, save(hf, tmp_path_factory.mktemp("v3"))
+
+
+def hf_logits(hf, tokens: np.ndarray, splits: list[int]) -> list[np.ndarray]:
+    """HF's last-position logits after each chunk [splits[i], splits[i + 1]) through its cache."""
+    out, cache = [], None
+    with torch.no_grad():
+        for start, end in zip(splits[:-1], splits[1:]):
+            result = hf(torch.as_tensor(tokens[:, start:end]), past_key_values=cache, use_cache=True)
+            cache = result.past_key_values
+            out.append(result.logits[:, -1].float().numpy())
+    return out
+
+
+def test_flash_is_taken_for_cached_prefill_chunks_only():
+    assert flash_impl("auto", FLASH_MIN_QUERIES, cached=True) == "auto"
+    assert flash_impl("kernel", 200, cached=True) == "mosaic"
+    assert flash_impl("jnp", 200, cached=True) == "jnp"
+    assert flash_impl("auto", FLASH_MIN_QUERIES - 1, cached=True) is None  # decode, verification
+    assert flash_impl("dense", 200, cached=True) is None
+    assert flash_impl("auto", 200, cached=False) is None  # a full-sequence pass (training) keeps its gradient
+
+
+@pytest.mark.parametrize("attn_impl,devices", [("absorb", 1), ("naive", 1), ("absorb", 4)])
+def test_flash_prefill_chunks_match_hf(checkpoint, attn_impl, devices):
+    """Chunks of 70 and 90 tokens (past the 64-key block, the second from position 70) and a decode step."""
+    hf, directory = checkpoint
+    tokens = np.random.default_rng(22).integers(0, 512, size=(2, 161))
+    splits = [0, 70, 160, 161]
+    expected = hf_logits(hf, tokens, splits)
+    model = dsv3_jax.load(directory, compute_dtype="float32", attn_impl=attn_impl, num_devices=devices,
+                          max_batch_size=2, max_seq_len=256, prefill_attn="jnp")
+    got = [np.asarray(model.forward(tokens[:, a:b], a)) for a, b in zip(splits[:-1], splits[1:])]
+    diff = max(float(np.abs(g - e).max()) for g, e in zip(got, expected))
+    print(f"{attn_impl} on {devices} devices, flash prefill: max |logit diff| vs HF = {diff:.2e}")
+    assert diff <= TOL
+
+
+def test_rows_at_unequal_positions(checkpoint):
+    """One call with rows at positions 0 and 45 equals each row run alone (flash and dense alike)."""
+    _, directory = checkpoint
+    tokens = np.random.default_rng(23).integers(0, 512, size=(2, 120))
+    for prefill_attn in ("jnp", "dense"):
+        model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=256,
+                              prefill_attn=prefill_attn)
+        model.forward(tokens[1:2, :45], 0)
+        alone_1 = np.asarray(model.forward(tokens[1:2, 45:85], 45))[0]
+        alone_0 = np.asarray(model.forward(tokens[0:1, :40], 0))[0]
+        model.forward(np.stack([tokens[1, :45], tokens[1, :45]]), 0)  # row 1's cache holds its first 45
+        together = np.asarray(model.forward(np.stack([tokens[0, :40], tokens[1, 45:85]]), start_pos=[0, 45]))
+        assert np.abs(together - np.stack([alone_0, alone_1])).max() <= 2e-5, prefill_attn
+
+
+def test_kernel_in_interpret_mode_matches_the_twin_in_bfloat16(tmp_path):
+    """The Mosaic GPU kernel (interpret mode on the CPU) inside the model, at head dims it takes (d_qk 64,
+    d_v 64): bf16 logits within bf16 noise of the jnp twin's (a wrong mask or scale moves them by O(1))."""
+    directory = save(hf_model("v3", seed=25, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64), tmp_path)
+    tokens = np.random.default_rng(24).integers(0, 512, size=(1, 64))
+    logits = {}
+    for prefill_attn in ("kernel", "jnp"):
+        model = dsv3_jax.load(directory, compute_dtype="bfloat16", max_batch_size=1, max_seq_len=128,
+                              prefill_attn=prefill_attn)
+        logits[prefill_attn] = np.asarray(model.forward(tokens, 0))
+    ref = logits["jnp"]
+    assert np.linalg.norm(logits["kernel"] - ref) / np.linalg.norm(ref) < 2e-2
