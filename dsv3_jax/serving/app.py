@@ -112,7 +112,7 @@ class Generation:
 
     def __init__(self, service: Service, parsed: GenerationRequest, ids: list[int], budget: int, arrived: float):
         self.service, self.parsed, self.arrived = service, parsed, arrived
-        self.request = Request(ids, budget, parsed.params, tag=asyncio.Queue())
+        self.request = Request(ids, budget, parsed.params, tag=asyncio.Queue(), ignore_eos=parsed.ignore_eos)
         self.text = TextStream(service.tokenizer, parsed.stop)
         self.completion_tokens = 0
         self.last_token_at: float | None = None

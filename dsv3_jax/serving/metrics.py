@@ -25,10 +25,10 @@ class Metrics:
         Gauge("dsv3_free_rows", "cache rows free", registry=registry).set_function(lambda: scheduler.free_rows)
         Gauge("dsv3_scheduler_iterations", "scheduler iterations that stepped the model",
               registry=registry).set_function(lambda: scheduler.iterations)
-        Gauge("dsv3_scheduler_host_seconds", "scheduler time outside the wait for the device",
-              registry=registry).set_function(lambda: scheduler.host_seconds)
-        Gauge("dsv3_scheduler_step_seconds", "wall time of the scheduler iterations that stepped the model",
-              registry=registry).set_function(lambda: scheduler.step_seconds)
+        Gauge("dsv3_scheduler_host_seconds", "median over recent iterations of the scheduler's own time "
+              "(outside the wait for the device)", registry=registry).set_function(lambda: scheduler.overhead()[0])
+        Gauge("dsv3_scheduler_iteration_seconds", "median over recent iterations of an iteration's wall time",
+              registry=registry).set_function(lambda: scheduler.overhead()[1])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

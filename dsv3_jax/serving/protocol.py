@@ -46,6 +46,7 @@ class GenerationRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
 
 
 def parse_json(body: bytes) -> dict:
@@ -181,10 +182,13 @@ def parse_request(body: dict, *, chat: bool, model_name: str, vocab_size: int) -
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise ApiError(400, "'stream_options' must be an object like {\"include_usage\": true}",
                        param="stream_options")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, f"'ignore_eos' must be a boolean, not {_type_name(ignore_eos)}", param="ignore_eos")
     prompt, text = (None, None) if chat else _prompt(body, vocab_size)
     return GenerationRequest(chat=chat, prompt=prompt, text=text, messages=_messages(body) if chat else None,
                              max_tokens=max_tokens, params=params, stop=_stops(body), stream=bool(stream),
-                             include_usage=bool(options.get("include_usage", False)))
+                             include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos)
 
 
 def check_context(prompt_tokens: int, max_tokens: int | None, max_seq_len: int, field: str) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import statistics
 import threading
 import time
 import traceback
@@ -35,6 +36,7 @@ class Request:
     max_tokens: int
     params: RowParams = RowParams()
     tag: object = None  # the caller's handle, passed back with every event
+    ignore_eos: bool = False  # run to max_tokens (benchmarks)
     row: int | None = None
     prefilled: int = 0  # prompt tokens dispatched
     dispatched: int = 0  # generated tokens whose step has been dispatched
@@ -70,8 +72,8 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="dsv3-scheduler", daemon=True)
         self.error: str | None = None
         self.iterations = 0
-        self.host_seconds = 0.0  # scheduler time outside the wait for the device
-        self.step_seconds = 0.0  # wall time of the iterations that stepped the device
+        # per stepping iteration, the recent ones: (scheduler time outside the wait for the device, wall time)
+        self.timings: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
 
     # ---------------------------------------------------------------- any thread
     def start(self) -> None:
@@ -83,11 +85,12 @@ class Scheduler:
         self._thread.join()
 
     def submit(self, request: Request) -> None:
-        """Queue a request; QueueFull when `max_queue` requests are already waiting for a row."""
+        """Queue a request; QueueFull when `max_queue` requests are already waiting for a row (the
+        ones that free rows will take do not count)."""
         if self.error is not None:
             raise RuntimeError(self.error)
         with self._lock:
-            if len(self._inbox) + len(self._waiting) >= self.max_queue:
+            if len(self._inbox) + len(self._waiting) >= self.max_queue + len(self._free):
                 raise QueueFull(f"{self.max_queue} requests are already waiting")
             self._inbox.append(request)
         self._wake.set()
@@ -96,6 +99,14 @@ class Scheduler:
         """Stop a request (client gone, stop string seen); its row is freed in the next iteration."""
         request.cancelled = True
         self._wake.set()
+
+    def overhead(self) -> tuple[float, float]:
+        """Medians over the recent stepping iterations: (host seconds, iteration seconds). The host
+        time is the scheduler's own work (the first iteration of a new step shape includes its compile)."""
+        if not self.timings:
+            return 0.0, 0.0
+        host, total = zip(*list(self.timings))
+        return statistics.median(host), statistics.median(total)
 
     @property
     def waiting(self) -> int:
@@ -130,15 +141,16 @@ class Scheduler:
         self._admit()
         stepped = self._dispatch_decode() + self._dispatch_prefill()
         tokens = self.engine.last_tokens if stepped else None
-        self.host_seconds += time.perf_counter() - started
+        host = time.perf_counter() - started
         if self._pending is not None:
             self._collect(*self._pending, events)  # waits for the previous iteration's steps
         self._pending = (tokens, stepped) if stepped else None
+        waited = time.perf_counter()
         if events:
             self.on_events(events)
         if stepped:
             self.iterations += 1
-            self.step_seconds += time.perf_counter() - started
+            self.timings.append((host + time.perf_counter() - waited, time.perf_counter() - started))
         return bool(stepped or events or self._pending)
 
     def _take_inbox(self) -> None:
@@ -187,7 +199,7 @@ class Scheduler:
             if request.finish_reason is not None:
                 continue
             token = int(values[request.row])
-            if token == self.eos_id:
+            if token == self.eos_id and not request.ignore_eos:
                 self._finish(request, STOP)
                 events.append((request, [], STOP))
                 continue
