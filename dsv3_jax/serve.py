@@ -96,10 +96,15 @@ def load(args: argparse.Namespace):
                                                                 max_seq_len=args.max_seq_len)
         model = dsv3_jax.build(config, options=from_flags(args), seed=args.seed,
                                num_devices=args.num_devices or jax.device_count())
-        return model, IdTokenizer(config.vocab_size), args.served_model_name or args.random_config.stem
+        return model, IdTokenizer(config.vocab_size), args.served_model_name or random_name(args.random_config)
     check_paths_and_devices(args)
     model, tokenizer = load_model(args, batch=args.max_batch_size)
     return model, tokenizer, args.served_model_name or checkpoint_path(args).name
+
+
+def random_name(config: Path) -> str:
+    """configs/config_16B.json -> "random-config_16B"; tiny/config.json -> "random-tiny"."""
+    return "random-" + (config.parent.name if config.stem == "config" else config.stem)
 
 
 def serve(argv: list[str] | None = None) -> None:

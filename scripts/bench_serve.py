@@ -40,6 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--token-range", default="10,250", help="prompt token ids are drawn from [lo, hi)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
+    parser.add_argument("--wait", type=float, default=600, help="seconds to wait for the server to come up")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     try:
@@ -131,14 +132,29 @@ def scheduler_overhead(url: str) -> dict:
 
 def show(row: dict) -> str:
     keys = ["ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p90", "itl_ms_p99"]
-    cells = " ".join(f"{k[:-4].replace('_ms', '')}={row[k]:.1f}ms" if k in row else "" for k in keys)
+    cells = " ".join(f"{k.replace('_ms_', ' ')}={row[k]:.1f}ms" for k in keys if k in row)
     return (f"rate {row['rate']:>5}: {row['completed']}/{row['requests']} ok in {row['seconds']:.1f}s, "
             f"{row['output_tokens_per_s']:.0f} tok/s, {cells}, scheduler host "
             f"{row.get('scheduler_host_ms', float('nan')):.2f} ms/iteration of "
             f"{row.get('scheduler_iteration_ms', float('nan')):.2f}")
 
 
+def wait_for_server(url: str, seconds: float) -> None:
+    """Poll /health until the server answers (it may still be loading its model)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench_serve: no healthy server at {url} after {seconds:.0f} s")
+        time.sleep(1)
+
+
 async def bench(args) -> dict:
+    wait_for_server(args.url, args.wait)
     model = args.model or httpx.get(args.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     rng = np.random.default_rng(args.seed)
     warmup = args.max_concurrency if args.warmup is None else args.warmup
