@@ -4,8 +4,8 @@ The device keeps one (rows,) int32 array, `last_tokens`: each row's newest token
 cache. Two jitted functions advance it (the cache donated to both, nothing read back):
 
 - `decode`: one token for every row of [0, batch) that is decoding (`active`); the other rows of
-  the bucket are parked past the cache's end, so their cache writes are dropped, and keep their
-  token. Compiled once per (batch bucket, attention window, sampling mode).
+  the bucket are parked at the cache's last position, which no request ever reads, and keep
+  their token. Compiled once per (batch bucket, attention window, sampling mode).
 - `prefill`: the next chunk (up to `chunk` tokens) of the prompts in up to `prefill_rows` rows,
   wherever those rows lie: their cache windows are gathered, run through `Model.step`, and
   scattered back; a row whose prompt ends in the chunk gets its first token sampled into
@@ -113,7 +113,9 @@ class Engine:
     def decode(self, rows: list[int], positions: list[int], params: list[RowParams]) -> None:
         """Dispatch one decode step for `rows` (each at its position, with its parameters)."""
         batch = self.bucket(max(rows) + 1)
-        row_positions = np.full(batch, self.max_seq_len, np.int64)  # parked: writes dropped
+        # parked rows feed the cache's last position, which no request reads (prompt + max_tokens <=
+        # max_seq_len: its tokens are fed at positions < max_seq_len - 1); in bounds for the decode kernel
+        row_positions = np.full(batch, self.max_seq_len - 1, np.int64)
         active = np.zeros(batch, np.int64)
         row_params = [RowParams()] * batch
         for row, position, p in zip(rows, positions, params):
