@@ -2,6 +2,7 @@
 # Build .venv from nothing (finding a Python >= 3.12) and install dsv3-jax with its runtime dependencies
 # only (no torch: enough for the chat demo, the notebook API and the converters). `scripts/setup.sh test`
 # adds the test extra (torch + transformers as oracles, the notebook runner); scripts/test.sh does that.
+# `scripts/setup.sh serve` adds the serve extra (Starlette, uvicorn: dsv3-serve).
 # Idempotent: each install has a stamp of pyproject.toml and the package set, and is redone only when stale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,8 @@ stamp_of() { { cat pyproject.toml; ls -d */__init__.py 2>/dev/null; } | sha256su
 case "${1:-}" in
   "") target="." stamp=.venv/.dsv3-stamp ;;
   test) target=".[test]" stamp=.venv/.dsv3-test-stamp ;;
-  *) echo "usage: scripts/setup.sh [test]" >&2; exit 2 ;;
+  serve) target=".[serve]" stamp=.venv/.dsv3-serve-stamp ;;
+  *) echo "usage: scripts/setup.sh [test|serve]" >&2; exit 2 ;;
 esac
 
 if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$(stamp_of)" ]; then
