@@ -95,8 +95,9 @@ class RunOptions:
         return jax.default_matmul_precision(self.matmul_precision)
 
 
-def add_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
-    """A `--field-name` flag for every RunOptions field but `skip`, with its choices, default and help."""
+def add_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), defaults: dict | None = None) -> None:
+    """A `--field-name` flag for every RunOptions field but `skip`, with its choices, default (RunOptions'
+    unless `defaults` names another for this command) and help."""
     for field in dataclasses.fields(RunOptions):
         if field.name in skip:
             continue
@@ -104,8 +105,9 @@ def add_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) ->
         if field.type == "bool":
             parser.add_argument(flag, action="store_true", help=help)
         else:
-            parser.add_argument(flag, default=field.default, type=type(field.default),
-                                choices=field.metadata["choices"], help=f"{help} (default: {field.default})")
+            default = (defaults or {}).get(field.name, field.default)
+            parser.add_argument(flag, default=default, type=type(field.default),
+                                choices=field.metadata["choices"], help=f"{help} (default: {default})")
 
 
 def from_flags(namespace: argparse.Namespace, **overrides) -> RunOptions:

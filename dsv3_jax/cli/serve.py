@@ -42,8 +42,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
     parser.add_argument("--max-batch-size", type=int, default=8, help="cache rows: requests generating at once")
     parser.add_argument("--max-seq-len", type=int, default=4096, help="tokens of one request (prompt + completion)")
-    parser.add_argument("--prefill-chunk", type=int, default=512,
-                        help="prompt tokens of one row prefilled per scheduler iteration")
     parser.add_argument("--prefill-rows", type=int, default=1, help="rows prefilled together per iteration")
     parser.add_argument("--decode-buckets", default=None,
                         help="comma list of decode batch sizes to compile (default: powers of two up to "
@@ -54,10 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body")
     parser.add_argument("--num-devices", type=int, default=None, help="devices of the mesh (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="--random-config: the weights' seed")
-    add_flags(parser)
+    # prompts prefilled 512 tokens a row per scheduler iteration: a long prompt delays the running rows'
+    # next token by one short step at a time
+    add_flags(parser, defaults={"prefill_chunk": 512})
     parser.set_defaults(top_k=0, mtp=False)  # what chat's loader reads
     args = parser.parse_args(argv)
-    for name in ("max_batch_size", "max_seq_len", "prefill_chunk", "prefill_rows", "max_queue", "max_body_bytes"):
+    for name in ("max_batch_size", "max_seq_len", "prefill_rows", "max_queue", "max_body_bytes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 0 < args.port < 65536:
@@ -115,8 +115,8 @@ def serve(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     model, tokenizer, name = load(args)
-    engine = Engine(model, chunk=args.prefill_chunk, prefill_rows=args.prefill_rows, buckets=args.decode_buckets,
-                    min_window=args.min_window)
+    engine = Engine(model, chunk=model.options.prefill_chunk, prefill_rows=args.prefill_rows,
+                    buckets=args.decode_buckets, min_window=args.min_window)
     service = Service(model, tokenizer, engine, model_name=name, max_queue=args.max_queue,
                       limits=Limits(max_body_bytes=args.max_body_bytes))
     what = f"random weights from {args.random_config}" if args.random_config else banner(args)
