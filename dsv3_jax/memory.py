@@ -20,6 +20,7 @@ line, with the largest max_seq_len and max_batch_size that do fit.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -31,7 +32,7 @@ from .checkpoint.schema import MTP_STATE, abstract_state
 from .config import ModelArgs
 from .errors import MemoryPlanError
 from .model.cache import cache_shapes, cache_specs
-from .options import RunOptions
+from .options import RunOptions, choices
 from .sharding import Layout, parameter_bytes_per_device
 
 DEVICE_BYTES_ENV = "DSV3_DEVICE_BYTES"  # bytes of one device, overriding what the device reports
@@ -177,10 +178,14 @@ def check_fits(args: ModelArgs, layout: Layout, options: RunOptions, *, batch: i
                 else f"no max_seq_len fits at max_batch_size {batch}")
     at_length = (f"the largest max_batch_size that fits at max_seq_len {seq_len} is {widest}" if widest
                  else f"no max_batch_size fits at max_seq_len {seq_len}")
+    chunk = min(options.prefill_chunk, seq_len)
+    smaller = [c for c in choices("prefill_chunk") if c < chunk and fitting(
+        args, layout, dataclasses.replace(options, prefill_chunk=c), capacity, mtp, weights)(batch, seq_len)]
+    at_chunk = f"; with prefill_chunk {max(smaller)} it fits as it is" if smaller else ""
     raise MemoryPlanError(
         f"max_batch_size {batch} x max_seq_len {seq_len} does not fit in {where}: it plans "
         f"{size(need)} (weights {size(weights)}, cache {size(cache)}, a prefill chunk of "
-        f"{min(options.prefill_chunk, seq_len)} tokens {size(need - weights - cache)}); {at_batch}; {at_length}")
+        f"{chunk} tokens {size(need - weights - cache)}); {at_batch}; {at_length}{at_chunk}")
 
 
 def size(n: float) -> str:

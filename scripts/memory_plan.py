@@ -102,7 +102,9 @@ def main(argv=None) -> None:
              "positions, with flash attention (no score buffer). The planned peak is the weights, the cache, the "
              "step's hidden states and new cache entries, and the largest of one layer's attention, one layer's "
              "routed experts and the output head (XLA frees each before the next). The largest max_seq_len and "
-             f"batch are those whose planned peak fits in {opts.device_gib:.1f} GiB.", ""]
+             f"batch are those whose planned peak fits in {opts.device_gib:.1f} GiB (--device-gib). On a GPU, "
+             "`dsv3_jax.load` and `build` check against XLA's share of the device instead "
+             "(`memory_stats()[\"bytes_limit\"]`, set by XLA_PYTHON_CLIENT_MEM_FRACTION, 75 % by default).", ""]
     for batch in opts.batches:
         lines += table(args, layouts, options, batch, opts)
     flags = list(sys.argv[1:] if argv is None else argv)

@@ -100,6 +100,14 @@ def test_build_refuses_in_one_line_naming_what_fits(monkeypatch, devices, layout
     assert model.cache["kv"].shape[2] == longest
 
 
+def test_a_smaller_prefill_chunk_is_named_when_it_fits():
+    args = TINY_ARGS.replace(max_batch_size=2, max_seq_len=512)
+    capacity, layout = capacity_for(args, RunOptions(prefill_chunk=64), 1, 2, 512)
+    with pytest.raises(MemoryPlanError, match=r"with prefill_chunk 64 it fits as it is$"):
+        check_fits(args, layout, RunOptions(prefill_chunk=512), device_bytes=capacity)
+    check_fits(args, layout, RunOptions(prefill_chunk=64), device_bytes=capacity)
+
+
 def test_load_refuses_before_reading_a_weight(monkeypatch):
     options = RunOptions(prefill_chunk=64)
     capacity, _ = capacity_for(TINY_ARGS, options, 1, 2, 500)
