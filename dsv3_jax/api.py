@@ -23,6 +23,7 @@ from .decode.generate import generate
 from .decode.speculative import make_mtp_steps
 from .decode.step import StepParts, make_step
 from .errors import CheckpointError
+from .memory import check_fits
 from .model.cache import allocate_cache, cache_window
 from .model.transformer import Transformer
 from .options import RunOptions
@@ -140,6 +141,8 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
     progress: a bar of the bytes and tensors read (process 0 only); None: when stderr is a terminal.
     mtp: also load the multi-token-prediction module (layer num_hidden_layers), for
     `generate(..., mtp=True)`; without it no MTP tensor is read.
+    Before anything is read, the weights, the cache and a prefill chunk's working set are planned
+    against the devices' memory (`dsv3_jax.memory.check_fits`): a `MemoryPlanError` names what fits.
     """
     options = _run_options(options, dtype, choices)
     path = Path(path)
@@ -158,6 +161,7 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
     args = args.replace(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
     mesh = _mesh_for(args, num_devices, mesh)
     layout = model_layout(args, options, mesh)
+    check_fits(args, layout, options, mtp=mtp, devices=mesh.devices.flat)  # before any weight is read
     if is_orbax_checkpoint(path):
         args = with_gate_bias(args, lambda name: has_array(path, ("moe_layers", "ffn", "gate", "bias")))
         graphdef, abstract_state = _abstract(args, options, mtp=mtp)
@@ -214,6 +218,7 @@ def build(args: ModelArgs, *, seed: int = 0, options: RunOptions | None = None, 
     mesh = _mesh_for(args, num_devices, mesh)
     graphdef, abstract_state = _abstract(args, options, seed, mtp=mtp)
     layout = model_layout(args, options, mesh)
+    check_fits(args, layout, options, mtp=mtp, devices=mesh.devices.flat)
     shardings = named_shardings(mesh, partition_specs(abstract_state, layout))
     make = jax.jit(lambda: nnx.split(Transformer(args, param_dtype=options.jnp_dtype, rngs=nnx.Rngs(seed),
                                                  mtp=mtp))[1],

@@ -150,7 +150,7 @@ def test_tool_rejects_unknown_flags_in_one_line():
 
 def test_memory_plan_reads_hf_configs_and_reports_bad_ones_in_one_line(tmp_path):
     result = run(ROOT / "scripts" / "memory_plan.py", "--config", TINY / "config.json", "--devices", 1, "--batch", 1,
-                 "--seq-len", 64, "--prefill-chunk", 16)
+                 "--seq-len", 64, "--prefill-chunk", 64)
     assert result.returncode == 0, result.stderr
     assert "# Memory plan: config.json" in result.stdout
     bad = tmp_path / "config.json"

@@ -1,0 +1,148 @@
+"""The memory plan (`dsv3_jax.memory`): its weight and cache bytes are those of the arrays a real model
+allocates on each device (read from the arrays' own shards), and `load`, `build` and `dsv3-chat`
+refuse what does not fit a stated capacity in one line that names what does."""
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import pytest
+
+import dsv3_jax
+from dsv3_jax.config import ModelArgs
+from dsv3_jax.errors import MemoryPlanError
+from dsv3_jax.memory import (DEVICE_BYTES_ENV, cache_bytes, check_fits, device_capacity, fitting, peak_bytes, plan,
+                             weight_bytes)
+from dsv3_jax.options import RunOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = Path(dsv3_jax.__file__).parent / "assets" / "tiny"
+TINY_ARGS = ModelArgs.from_file(TINY / "config.json")
+LONGEST = re.compile(r"the largest max_seq_len that fits at max_batch_size (\d+) is (\d+)")
+WIDEST = re.compile(r"the largest max_batch_size that fits at max_seq_len (\d+) is (\d+)")
+
+
+def bytes_per_device(tree) -> dict:
+    """device -> bytes of the shards of `tree`'s arrays that live on it."""
+    totals = defaultdict(int)
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            totals[shard.device] += shard.data.nbytes
+    return dict(totals)
+
+
+@pytest.mark.parametrize("devices, layout, attn_impl, mtp, compute_dtype, dtype, batch", [
+    (1, "tp", "absorb", False, "bfloat16", "bf16", 2),
+    (1, "tp", "absorb", True, "bfloat16", "fp8", 2),
+    (4, "tp", "naive", False, "bfloat16", "bf16", 2),
+    (4, "dp-attn", "absorb", True, "bfloat16", "bf16", 3),
+    (4, "dp-attn-tp", "naive", True, "float32", "bf16", 3),
+    (4, "ep-only", "absorb", False, "float32", "bf16", 1),
+])
+def test_plan_counts_the_arrays_a_model_allocates(devices, layout, attn_impl, mtp, compute_dtype, dtype, batch):
+    args = TINY_ARGS.replace(max_batch_size=batch, max_seq_len=96, dtype=dtype)
+    options = RunOptions(attn_impl=attn_impl, layout=layout, compute_dtype=compute_dtype)
+    model = dsv3_jax.build(args, options=options, num_devices=devices, mtp=mtp)
+    state, cache = bytes_per_device(model.state), bytes_per_device(model.cache)
+    assert len(state) == len(cache) == devices
+    weights = weight_bytes(model.args, model.layout, options, mtp)
+    cached = cache_bytes(model.args, model.layout, options, batch, 96, mtp)
+    assert set(state.values()) == {sum(weights.values())}
+    assert set(cache.values()) == {sum(cached.values())}
+    assert ("MTP layer" in weights) == mtp
+    items = plan(model.args, model.layout, options, batch, 96, mtp=mtp)
+    assert {**weights, **cached}.items() <= items.items()
+    assert peak_bytes(sum(weights.values()), model.args, model.layout, options, batch, 96, mtp) > sum(items[k] for k in
+                                                                                                      {**weights, **cached})
+
+
+def test_flash_plan_has_no_score_buffer_and_dense_has_one():
+    layout = dsv3_jax.build(TINY_ARGS.replace(max_batch_size=1, max_seq_len=64)).layout
+    flash = plan(TINY_ARGS, layout, RunOptions(prefill_chunk=64), 2, 4096)
+    dense = plan(TINY_ARGS, layout, RunOptions(prefill_chunk=64, prefill_attn="dense"), 2, 4096)
+    assert not any("scores" in item for item in flash)
+    # rows x chunk x heads x kv_len float32
+    assert dense["attention: scores (float32, dense)"] == 2 * 64 * TINY_ARGS.n_heads * 4096 * 4
+
+
+def capacity_for(args, options, devices, batch, seq_len, mtp=False):
+    """A capacity that holds (batch, seq_len) and nothing larger."""
+    model_layout = dsv3_jax.api.model_layout(args, options, dsv3_jax.sharding.make_mesh(devices))
+    weights = sum(weight_bytes(args, model_layout, options, mtp).values())
+    return int(peak_bytes(weights, args, model_layout, options, batch, seq_len, mtp)), model_layout
+
+
+@pytest.mark.parametrize("devices, layout, rows, held", [(1, "tp", 6, 2), (4, "dp-attn", 12, 8)])
+def test_build_refuses_in_one_line_naming_what_fits(monkeypatch, devices, layout, rows, held):
+    """A capacity that holds `held` rows x 3000 positions refuses `rows` x 4096 and names the largest
+    max_seq_len at `rows` rows and the largest batch at 4096 (dp-attn pads the rows to a multiple of 4)."""
+    options = RunOptions(layout=layout, prefill_chunk=64)
+    args = TINY_ARGS.replace(max_batch_size=rows, max_seq_len=4096)
+    capacity, model_layout = capacity_for(args, options, devices, held, 3000)
+    monkeypatch.setenv(DEVICE_BYTES_ENV, str(capacity))
+    with pytest.raises(MemoryPlanError) as refused:
+        dsv3_jax.build(args, options=options, num_devices=devices)
+    message = str(refused.value)
+    assert "\n" not in message and f"max_batch_size {rows} x max_seq_len 4096 does not fit" in message, message
+    (batch, longest), (seq_len, widest) = (map(int, m.groups()) for m in (LONGEST.search(message),
+                                                                          WIDEST.search(message)))
+    assert (batch, seq_len) == (rows, 4096) and 0 < longest < 3000 and 0 < widest < held, message
+    # each suggestion passes the check and is the largest that does
+    fits = fitting(args, model_layout, options, capacity)
+    assert fits(rows, longest) and not fits(rows, longest + 1)
+    assert fits(widest, 4096) and not fits(widest + 1, 4096)
+    check_fits(args.replace(max_seq_len=longest), model_layout, options)
+    check_fits(args.replace(max_batch_size=widest), model_layout, options)
+    model = dsv3_jax.build(args.replace(max_seq_len=longest), options=options, num_devices=devices)
+    assert model.cache["kv"].shape[2] == longest
+
+
+def test_a_smaller_prefill_chunk_is_named_when_it_fits():
+    args = TINY_ARGS.replace(max_batch_size=2, max_seq_len=512)
+    capacity, layout = capacity_for(args, RunOptions(prefill_chunk=64), 1, 2, 512)
+    with pytest.raises(MemoryPlanError, match=r"with prefill_chunk 64 it fits as it is$"):
+        check_fits(args, layout, RunOptions(prefill_chunk=512), device_bytes=capacity)
+    check_fits(args, layout, RunOptions(prefill_chunk=64), device_bytes=capacity)
+
+
+def test_load_refuses_before_reading_a_weight(monkeypatch):
+    options = RunOptions(prefill_chunk=64)
+    capacity, _ = capacity_for(TINY_ARGS, options, 1, 2, 500)
+    monkeypatch.setenv(DEVICE_BYTES_ENV, str(capacity))
+    monkeypatch.setattr(dsv3_jax.api, "load_state", lambda *a, **k: pytest.fail("a weight was read"))
+    with pytest.raises(MemoryPlanError, match=r"max_batch_size 2 x max_seq_len 2048 does not fit") as refused:
+        dsv3_jax.load(TINY, options=options, max_batch_size=2, max_seq_len=2048)
+    assert LONGEST.search(str(refused.value)).group(2) == "500"
+    monkeypatch.undo()
+    assert dsv3_jax.load(TINY, options=options, max_batch_size=2, max_seq_len=500).args.max_seq_len == 500
+
+
+def test_weights_that_cannot_fit_and_bad_capacities_are_named(monkeypatch):
+    layout = dsv3_jax.build(TINY_ARGS.replace(max_batch_size=1, max_seq_len=64)).layout
+    weights = sum(weight_bytes(TINY_ARGS, layout, RunOptions()).values())
+    with pytest.raises(MemoryPlanError, match="the weights alone need"):
+        check_fits(TINY_ARGS, layout, RunOptions(), device_bytes=int(weights) - 1)
+    monkeypatch.setenv(DEVICE_BYTES_ENV, "lots")
+    with pytest.raises(MemoryPlanError, match=r"\$DSV3_DEVICE_BYTES must be a number of bytes, got 'lots'"):
+        device_capacity()
+    monkeypatch.delenv(DEVICE_BYTES_ENV)
+    if jax.default_backend() == "cpu":  # host RAM is not a device's limit: nothing is checked
+        assert device_capacity() is None
+        check_fits(TINY_ARGS.replace(max_seq_len=1 << 24), layout, RunOptions())
+
+
+def test_chat_refuses_a_cache_too_long_in_one_line():
+    options = RunOptions(prefill_chunk=64)
+    capacity, _ = capacity_for(TINY_ARGS, options, 1, 1, 3000)
+    env = {**os.environ, DEVICE_BYTES_ENV: str(capacity)}
+    result = subprocess.run([sys.executable, "-m", "dsv3_jax.chat", "--tiny", "--complete", "--prompt", "def",
+                             "--num-devices", "1", "--prefill-chunk", "64", "--max-seq-len", "100000"],
+                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=180)
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("dsv3-chat: error: max_batch_size 1 x max_seq_len 100000 does not fit"), lines[0]
+    assert "the largest max_seq_len that fits at max_batch_size 1 is 3000" in lines[0], lines[0]
