@@ -2,7 +2,8 @@
 
 A `Model` holds the parameters (sharded over its mesh), one cache for (max_batch_size,
 max_seq_len), and the jitted step. The step is compiled once per (batch, chunk length, cache
-window) and updates the donated cache in place.
+window) and updates the donated cache in place; a prompt longer than `RunOptions.prefill_chunk`
+goes in as several steps of at most that many tokens per row.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ class Model:
         """Logits (float32, (B, vocab)) of each row's last token, caching positions [start_pos, start_pos + S).
 
         tokens: int (B, S) with B <= max_batch_size; start_pos: an int or one int per row.
-        Like the reference's `Transformer.forward`, but any chunk may start at any position.
+        Like the reference's `Transformer.forward`, but any chunk may start at any position; S beyond
+        `options.prefill_chunk` runs as consecutive steps of that many tokens (the same result).
         """
         tokens = np.asarray(tokens)
         if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
@@ -87,9 +89,19 @@ class Model:
         end = int(start.max()) + seq
         if end > self.args.max_seq_len:
             raise ValueError(f"positions up to {end} exceed max_seq_len={self.args.max_seq_len}")
-        logits, self.cache = self.step(self.state, self.cache, jnp.asarray(tokens, jnp.int32),
-                                       jnp.asarray(start, jnp.int32), jnp.full((batch,), seq - 1, jnp.int32),
-                                       kv_len=cache_window(end, self.args.max_seq_len))
+        return self._prefill_chunks(tokens, start)
+
+    def _prefill_chunks(self, tokens: np.ndarray, start: np.ndarray) -> jax.Array:
+        """`forward` after its checks: consecutive steps of at most `options.prefill_chunk` tokens per
+        row, each attending over the cache window that covers its end; the last step's logits."""
+        chunk = self.options.prefill_chunk
+        for offset in range(0, tokens.shape[1], chunk):
+            piece = tokens[:, offset:offset + chunk]
+            end = int(start.max()) + offset + piece.shape[1]
+            logits, self.cache = self.step(self.state, self.cache, jnp.asarray(piece, jnp.int32),
+                                           jnp.asarray(start + offset, jnp.int32),
+                                           jnp.full((piece.shape[0],), piece.shape[1] - 1, jnp.int32),
+                                           kv_len=cache_window(end, self.args.max_seq_len))
         return logits
 
     def generate(self, prompt_tokens: list[list[int]], max_new_tokens: int, eos_id: int, temperature: float = 1.0,

@@ -2,6 +2,7 @@
 the reference's generate contract, and the compiled steps (no recompilation, no buffer growth,
 the cache donated)."""
 import gc
+import logging
 from pathlib import Path
 
 import jax
@@ -162,7 +163,7 @@ def test_seeded_sampling_and_streaming(tiny):
 def test_warm_up_compiles_and_decoding_holds_no_growing_buffers(tiny):
     prompts = [[0, 2, 11, 12, 13], [0, 2, 14], [0, 2, 15, 16, 17, 18, 19]]
     gen.warm_up(tiny, [len(p) for p in prompts], 50)  # compiles what 50 new tokens need (window 64)
-    compiled = gen.decode_step._cache_size(), gen.prefill_step._cache_size()
+    compiled = gen.decode_step._cache_size(), gen.prefill_chunk_step._cache_size(), gen.start_decoding._cache_size()
     cache_before = tiny.cache["kv"]
     live = []
 
@@ -173,7 +174,76 @@ def test_warm_up_compiles_and_decoding_holds_no_growing_buffers(tiny):
 
     out = tiny.generate([p[::-1] for p in prompts], 55, eos_id=-1, temperature=0.3, seed=9, on_tokens=count)
     assert [len(c) for c in out] == [55] * 3  # 54 decode steps in the same (batch, window)
-    assert (gen.decode_step._cache_size(), gen.prefill_step._cache_size()) == compiled, "a step recompiled"
+    assert (gen.decode_step._cache_size(), gen.prefill_chunk_step._cache_size(),
+            gen.start_decoding._cache_size()) == compiled, "a step recompiled"
     assert len(live) == 6 and len(set(live)) == 1, f"live device buffers changed during decoding: {live}"
     assert cache_before.is_deleted(), "the cache was not donated to the steps"
     assert not tiny.cache["kv"].is_deleted()
+
+
+# ------------------------------------------------------------------------------ chunked prefill
+CHUNK = 64
+UNEQUAL = (150, 63, 64, 257)  # inside, just before, at and past chunk boundaries: bucket 512, 8 chunks
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["1dev", "4dev"])
+def chunk_pair(request):
+    """The tiny model with max_seq_len 512, prefilling in one step and in chunks of 64 (the same weights)."""
+    whole = dsv3_jax.load(TINY, compute_dtype="float32", max_batch_size=4, max_seq_len=512,
+                          num_devices=request.param)
+    return whole, chunked_twin(whole)
+
+
+def chunked_twin(model):
+    """A model on `model`'s weights and mesh that prefills in chunks of CHUNK tokens (its own jitted step)."""
+    return dsv3_jax.Model(model.args, model.graphdef, model.state, model.mesh,
+                          dsv3_jax.RunOptions.make(model.options, prefill_chunk=CHUNK))
+
+
+def test_chunked_forward_equals_one_step(chunk_pair):
+    whole, chunked = chunk_pair
+    tokens = np.random.default_rng(11).integers(0, 1024, (2, 200))  # chunks of 64, 64, 64, 8
+    for start in (0, [3, 70]):  # rows starting at unequal positions: their chunks straddle different boundaries
+        expected = np.asarray(whole.forward(tokens, start_pos=start))
+        got = np.asarray(chunked.forward(tokens, start_pos=start))
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        # the cache holds the same entries: the next token's logits agree too
+        after = np.array([[5], [9]])
+        end = np.asarray(start) + 200
+        np.testing.assert_allclose(np.asarray(chunked.forward(after, start_pos=end)),
+                                   np.asarray(whole.forward(after, start_pos=end)), rtol=1e-5,
+                                   atol=1e-5 * np.abs(expected).max())
+
+
+def test_chunked_generate_equals_one_step_prefill(chunk_pair):
+    whole, chunked = chunk_pair
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(0, 1024, n).tolist() for n in UNEQUAL]
+    greedy = whole.generate(prompts, 10, eos_id=-1, temperature=0.0)
+    assert chunked.generate(prompts, 10, eos_id=-1, temperature=0.0) == greedy
+    assert greedy[0] == greedy_by_forward(whole, prompts[0], 10)  # the one-step side is itself right
+    sampled = whole.generate(prompts, 10, eos_id=-1, temperature=1.0, seed=4, top_k=50)
+    assert chunked.generate(prompts, 10, eos_id=-1, temperature=1.0, seed=4, top_k=50) == sampled
+
+
+def compiled(caplog, run) -> list[str]:
+    """The names of the functions jax compiles while `run()` runs (from its compilation log)."""
+    caplog.clear()
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        run()
+    return [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("Compiling ")]
+
+
+def test_chunked_prefill_compiles_per_window_not_per_prompt_length(chunk_pair, caplog):
+    chunked = chunked_twin(chunk_pair[0])  # a new step: nothing compiled for it yet
+    rng = np.random.default_rng(13)
+
+    def run(lengths):
+        return lambda: chunked.generate([rng.integers(0, 1024, n).tolist() for n in lengths], 2, eos_id=-1,
+                                        temperature=0.0)
+
+    # bucket 512 in chunks of 64 ending at 64, 128, ..., 512: windows 64 (the first chunk), 128, 256, 512
+    assert compiled(caplog, run(UNEQUAL)).count("jit(prefill_chunk_step)") == 4
+    for lengths in [(300, 5, 200, 411), (129, 70, 3, 255), (65, 64, 128, 500)]:  # buckets 512, 256, 512
+        names = compiled(caplog, run(lengths))
+        assert "jit(prefill_chunk_step)" not in names and "jit(start_decoding)" not in names, (lengths, names)

@@ -372,3 +372,23 @@ def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_mode
     reference = hf_mtp_model if ranks == 1 else dsv3_jax.load(directory, mtp=True, num_devices=ranks, **{
         k: v for k, v in common.items() if k != "config"})  # bitwise: the same device count
     assert_same_mtp_model(reference, converted)
+
+
+# ------------------------------------------------------------------ chunked prefill
+@pytest.mark.parametrize("devices", [1, 4])
+def test_greedy_output_is_identical_with_mtp_and_chunked_prefill(devices):
+    """max_seq_len 300 (not a power of two): the bucket of a 290-token prompt is 300, chunks of 64 start at
+    0, 64, 128, 192 and 236 (the last one redoing part of the one before); rows end inside, just before and
+    at chunk boundaries, so each row's first token and draft come from a different chunk."""
+    whole = dsv3_jax.build(tiny_args().replace(max_batch_size=4, max_seq_len=300), mtp=True, compute_dtype="float32",
+                           seed=3, num_devices=devices)
+    chunked = dsv3_jax.Model(whole.args, whole.graphdef, whole.state, whole.mesh,
+                             dsv3_jax.RunOptions.make(whole.options, prefill_chunk=64))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 8, n).tolist() for n in (150, 63, 64, 290)]
+    plain = whole.generate(prompts, 9, eos_id=-1, temperature=0.0)
+    stats = {}
+    assert chunked.generate(prompts, 9, eos_id=-1, temperature=0.0, mtp=True, stats=stats) == plain
+    assert stats["drafts"] > 0 and stats["accepted"] > 0
+    sampled = whole.generate(prompts, 9, eos_id=-1, temperature=1.0, seed=6, mtp=True)
+    assert chunked.generate(prompts, 9, eos_id=-1, temperature=1.0, seed=6, mtp=True) == sampled

@@ -1,13 +1,17 @@
-"""Generation: a jitted prefill and decode step, and the one loop that drives them, for plain and
+"""Generation: jitted prefill and decode steps, and the one loop that drives them, for plain and
 speculative decoding (`speculative`: the MTP steps' math).
 
 One `generate` call has a fixed `Plan`: the prompts are right-padded to a length bucket (a power
-of two, at least 16) for one prefill, and every decode step attends over one cache window
-(`cache_window(total_len)`), so a call compiles the prefill once per (batch, bucket, window) and
-the decode step once per (batch, window). Sampling is fused into both steps and the per-row
-`DecodeState` stays on the device; the cache is donated to each step and updated in place.
-Every row advances from its own position, so prompts of unequal length need no teacher-forced
-steps: a row's completion starts right after its own prompt.
+of two, at least 16, capped at max_seq_len) and prefilled from position 0 in chunks of at most
+`RunOptions.prefill_chunk` tokens per row (one chunk when the bucket fits in one; bucket and chunk
+are powers of two, so the chunks tile it), each chunk attending over the cache window that covers
+its end. A chunk step is compiled once per (batch, chunk, window), so prompts of any length
+compile a bounded set of prefill steps; each row keeps the logits at its last prompt token from
+the chunk that holds it, and one small step then samples the first tokens. Every decode step
+attends over one cache window (`cache_window(total_len)`) and is compiled once per (batch, window).
+Sampling runs on the device and the per-row `DecodeState` stays there; the cache is donated to
+each step and updated in place. Every row advances from its own position, so prompts of unequal
+length need no teacher-forced steps: a row's completion starts right after its own prompt.
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..model.cache import cache_window
+from ..options import RunOptions
 from .sampling import sample
-from .speculative import SpecState
+from .speculative import SpecState, start_speculating
 
 MIN_PREFILL_BUCKET = 16
 
@@ -39,48 +44,86 @@ class DecodeState(NamedTuple):
     eos_id: jax.Array  # () int32
 
 
+class PrefillChunk(NamedTuple):
+    """One prefill step of a plan: its first position and the cache windows it attends over."""
+
+    start: int
+    kv_len: int  # the main model's window: covers positions < start + chunk
+    mtp_kv_len: int  # the MTP module's (one position later): covers positions <= start + chunk
+
+
+def prefill_chunks(bucket: int, chunk: int, max_seq_len: int) -> tuple[PrefillChunk, ...]:
+    """The chunks of `chunk` positions that cover [0, bucket), in order. They tile it when chunk
+    divides bucket (both powers of two); a bucket capped at a max_seq_len that is not a power of
+    two ends with a chunk that starts at bucket - chunk and redoes part of the one before it."""
+    starts = sorted({min(start, bucket - chunk) for start in range(0, bucket, chunk)})
+    return tuple(PrefillChunk(start, cache_window(start + chunk, max_seq_len),
+                              cache_window(start + chunk + 1, max_seq_len)) for start in starts)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What stays fixed for one generation: the prompt lengths, each row's budget of new tokens,
-    the padded prefill length, the attention window and the (static) sampling filters."""
+    the padded prefill length and its chunks, the attention window and the (static) sampling filters."""
 
     lengths: tuple[int, ...]
     budgets: tuple[int, ...]
     bucket: int
     kv_len: int
+    chunk: int  # tokens per row of one prefill step
+    chunks: tuple[PrefillChunk, ...]
     top_k: int = 0
     top_p: float = 1.0
 
     @classmethod
     def make(cls, lengths: Sequence[int], max_new_tokens: int, max_seq_len: int, *, top_k: int = 0,
-             top_p: float = 1.0, window: int = 0) -> "Plan":
+             top_p: float = 1.0, window: int = 0, prefill_chunk: int = RunOptions.prefill_chunk) -> "Plan":
         """The reference's budget: total_len = min(max_seq_len, max_new_tokens + longest prompt), and
         row i may emit min(max_new_tokens, total_len - len_i) tokens. The attention window is the
-        power of two (>= 64) covering total_len and at least `window`, capped at max_seq_len."""
+        power of two (>= 64) covering total_len and at least `window`, capped at max_seq_len. The
+        bucket is prefilled in chunks of min(bucket, prefill_chunk) positions."""
         longest = max(lengths)
         total_len = min(max_seq_len, max_new_tokens + longest)
         budgets = tuple(max(0, min(max_new_tokens, total_len - n)) for n in lengths)
         bucket = min(max_seq_len, max(MIN_PREFILL_BUCKET, 1 << (longest - 1).bit_length()))
         kv_len = cache_window(max(total_len, bucket, window), max_seq_len)
-        return cls(tuple(lengths), budgets, bucket, kv_len, top_k, top_p)
+        chunk = min(bucket, prefill_chunk)
+        return cls(tuple(lengths), budgets, bucket, kv_len, chunk, prefill_chunks(bucket, chunk, max_seq_len),
+                   top_k, top_p)
 
     @property
     def max_new_tokens(self) -> int:
         return max(self.budgets)
 
 
-@functools.partial(jax.jit, static_argnames=("step", "kv_len", "top_k", "top_p"), donate_argnums=(1,))
-def prefill_step(params, cache, tokens, lengths, budgets, seed, temperature, eos_id, *, step, kv_len: int,
-                 top_k: int, top_p: float) -> tuple[DecodeState, dict]:
-    """Run the right-padded prompts (B, bucket) from position 0 and sample each row's first token
-    from the logits at its last prompt position. `step` is a model's jitted step (`Model.step`)."""
-    batch = tokens.shape[0]
-    logits, cache = step(params, cache, tokens, jnp.zeros((batch,), jnp.int32), lengths - 1, kv_len=kv_len)
+@functools.partial(jax.jit, static_argnames=("step", "kv_len"), donate_argnums=(1,))
+def prefill_chunk_step(params, cache, tokens, start, lengths, logits, *, step, kv_len: int) -> tuple[jax.Array, dict]:
+    """One chunk (B, C) of the right-padded prompts at positions [start, start + C) into the cache.
+
+    Returns (B, vocab) float32: for each row whose last prompt token (lengths - 1) lies in this
+    chunk, the logits there; for the others, their row of `logits`, the previous chunks' (None: this
+    is the first chunk, and those rows hold meaningless logits until the chunk with their last
+    token). `step` is a model's jitted step (`Model.step`)."""
+    batch, size = tokens.shape
+    last = lengths - 1 - start
+    chunk_logits, cache = step(params, cache, tokens, jnp.full((batch,), start, jnp.int32),
+                               jnp.clip(last, 0, size - 1), kv_len=kv_len)
+    if logits is None:
+        return chunk_logits, cache
+    holds = (last >= 0) & (last < size)
+    return jnp.where(holds[:, None], chunk_logits, logits), cache
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "top_p"))
+def start_decoding(logits, lengths, budgets, seed, temperature, eos_id, *, top_k: int,
+                   top_p: float) -> DecodeState:
+    """Each row's first token, sampled from `logits` (those at its last prompt token), and the
+    state the decode steps start from."""
     key, draw = jax.random.split(jax.random.key(seed))
     token = sample(logits, temperature, draw, top_k=top_k, top_p=top_p)
     remaining = budgets - 1
     finished = (token == eos_id) | (remaining <= 0)
-    return DecodeState(token, lengths, finished, remaining, key, temperature, eos_id), cache
+    return DecodeState(token, lengths, finished, remaining, key, temperature, eos_id)
 
 
 @functools.partial(jax.jit, static_argnames=("step", "kv_len", "top_k", "top_p"), donate_argnums=(1,))
@@ -134,25 +177,51 @@ def _check_options(model, max_new_tokens, temperature, top_k, top_p, seed) -> No
 
 def prefill(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int, *, eos_id: int | None = None,
             temperature: float = 1.0, seed: int = 0, top_k: int = 0, top_p: float = 1.0, window: int = 0,
-            mtp: bool = False) -> tuple[DecodeState | SpecState, Plan]:
+            mtp: bool = False, every_chunk: bool = True) -> tuple[DecodeState | SpecState, Plan]:
     """Prefill `model`'s cache with the prompts and sample the first tokens: (state, plan) for `decode`.
 
     window: a minimum attention window for the whole call (see `Plan.make`); a caller that passes
     the same window every time (the chat passes max_seq_len) reuses one compiled decode step.
-    mtp: also run the MTP module over the prompts and draft the next tokens (speculative decoding)."""
-    step = model.mtp_steps[0] if mtp else functools.partial(prefill_step, step=model.step)
+    mtp: also run the MTP module over the prompts and draft the next tokens (speculative decoding).
+    every_chunk False (`warm_up`): run only one chunk per compiled prefill step, which compiles
+    everything the plan uses but leaves a meaningless cache and state."""
+    mtp_chunk_step = model.mtp_steps[0] if mtp else None
     prompts = _check_prompts(model, prompt_tokens)
     _check_options(model, max_new_tokens, temperature, top_k, top_p, seed)
     plan = Plan.make([len(p) for p in prompts], max_new_tokens, model.args.max_seq_len, top_k=top_k,
-                     top_p=float(top_p), window=window)
-    tokens = np.zeros((len(prompts), plan.bucket), np.int32)
+                     top_p=float(top_p), window=window, prefill_chunk=model.options.prefill_chunk)
+    tokens = np.zeros((len(prompts), plan.bucket + 1), np.int32)  # a zero past the bucket: the MTP's next token
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = prompt
-    state, model.cache = step(
-        model.state, model.cache, tokens, np.asarray(plan.lengths, np.int32), np.asarray(plan.budgets, np.int32),
-        np.uint32(seed), np.float32(temperature), np.int32(-1 if eos_id is None else eos_id),
-        kv_len=plan.kv_len, top_k=plan.top_k, top_p=plan.top_p)
-    return state, plan
+    lengths, budgets = np.asarray(plan.lengths, np.int32), np.asarray(plan.budgets, np.int32)
+    seed, temperature, eos_id = np.uint32(seed), np.float32(temperature), np.int32(-1 if eos_id is None else eos_id)
+    chunks = plan.chunks if every_chunk else _one_per_compilation(plan.chunks, mtp)
+    carry = None
+    for chunk in chunks:
+        piece, start = tokens[:, chunk.start:chunk.start + plan.chunk], np.int32(chunk.start)
+        if mtp:
+            carry, model.cache = mtp_chunk_step(
+                model.state, model.cache, piece, tokens[:, chunk.start + plan.chunk], start, lengths, carry, seed,
+                temperature, kv_len=chunk.kv_len, mtp_kv_len=chunk.mtp_kv_len, top_k=plan.top_k, top_p=plan.top_p)
+        else:
+            carry, model.cache = prefill_chunk_step(model.state, model.cache, piece, start, lengths, carry,
+                                                    step=model.step, kv_len=chunk.kv_len)
+    if mtp:
+        return start_speculating(carry, lengths, budgets, seed, temperature, eos_id), plan
+    return start_decoding(carry, lengths, budgets, seed, temperature, eos_id, top_k=plan.top_k,
+                          top_p=plan.top_p), plan
+
+
+def _one_per_compilation(chunks: Sequence[PrefillChunk], mtp: bool) -> list[PrefillChunk]:
+    """The first chunk of each compiled prefill step: one per window (two windows with the MTP
+    module), the first chunk apart (it has no previous chunks' results)."""
+    kept, seen = [], set()
+    for index, chunk in enumerate(chunks):
+        compiled = (index == 0, chunk.kv_len, chunk.mtp_kv_len if mtp else 0)
+        if compiled not in seen:
+            seen.add(compiled)
+            kept.append(chunk)
+    return kept
 
 
 def decode(model, state: DecodeState | SpecState, plan: Plan) -> DecodeState | SpecState:
@@ -273,7 +342,8 @@ def generate(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int,
 
 def warm_up(model, lengths: Sequence[int], max_new_tokens: int, *, top_k: int = 0, top_p: float = 1.0,
             window: int = 0, mtp: bool = False) -> None:
-    """Compile the prefill and decode steps that prompts of these lengths will use (one step each)."""
+    """Compile the prefill and decode steps that prompts of these lengths will use (running each
+    compiled step once; the cache then holds meaningless entries, overwritten by the next prefill)."""
     state, plan = prefill(model, [[0] * n for n in lengths], max_new_tokens, top_k=top_k, top_p=top_p,
-                          window=window, mtp=mtp)
+                          window=window, mtp=mtp, every_chunk=False)
     jax.block_until_ready(decode(model, state, plan))

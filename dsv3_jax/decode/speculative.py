@@ -1,7 +1,9 @@
 """Speculative decoding with DeepSeek-V3's MTP module as a one-token draft: the jitted steps' math.
 
 After the prefill (which also runs the MTP module over the prompt, filling its cache, and drafts a
-guess d for the position after the first sampled token), every step is one jitted, shard_mapped
+guess d for the position after the first sampled token; chunk by chunk, as `generate.prefill`
+drives it: per chunk the main model, then the MTP module over the same positions shifted by one),
+every step is one jitted, shard_mapped
 function of fixed shapes:
 
 1. verify: one main-model pass over [t, d] at positions [p, p + 1] of each row (t the newest
@@ -63,30 +65,48 @@ def _draft(model, y: jax.Array, temperature, key, top_k: int, top_p: float, layo
     return token, q
 
 
-def _prefill(parts: StepParts, state, cache, tokens, lengths, budgets, seed, temperature, eos_id, *, kv_len: int,
-             top_k: int, top_p: float) -> tuple[SpecState, dict]:
-    """The main model over the prompts, the first token of each row, then the MTP module over the
-    prompts (filling its cache) and the first draft."""
+def _prefill_chunk(parts: StepParts, state, cache, tokens, following, start, lengths, carry, seed, temperature, *,
+                   kv_len: int, mtp_kv_len: int, top_k: int, top_p: float) -> tuple[tuple, dict]:
+    """One chunk (B, C) of the right-padded prompts at positions [start, start + C): the main model
+    over it, then the MTP module at positions start + 1 .. start + C, position j + 1 taking token
+    t_{j+1} (`following`: the token at start + C, the next chunk's first) with the main model's H_j,
+    and at each row's last prompt index (lengths - 1) its first token, sampled here when this chunk
+    holds that index. Returns ((first token, draft, draft distribution q) per row, the cache): from
+    this chunk for the rows whose last index it holds, else from `carry` (the previous chunks';
+    None for the first chunk, whose other rows hold meaningless values until their chunk comes)."""
     model, layout = nnx.merge(parts.graphdef, state), parts.layout
-    batch, seq = tokens.shape
+    batch, size = tokens.shape
     rows = jnp.arange(batch)
-    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None], (batch, seq))
+    positions = start + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32)[None], (batch, size))
     hidden, cache = model.hidden(tokens, _context(parts, positions, kv_len), cache)
-    last = lengths - 1
+    last = lengths - 1 - start
+    holds = (last >= 0) & (last < size)
+    last = jnp.clip(last, 0, size - 1)
     logits = model.logits(hidden[rows, last], layout)
-    key, first_key, draft_key = jax.random.split(jax.random.key(seed), 3)
+    _, first_key, draft_key = jax.random.split(jax.random.key(seed), 3)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     first = jnp.where(temperature > 0, draw(distribution(logits, temperature, top_k=top_k, top_p=top_p),
                                             first_key), greedy)
-    # the MTP module at positions 1..seq: token t_j with the main model's H_{j-1}
-    next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((batch, 1), tokens.dtype)], axis=1)
-    next_tokens = next_tokens.at[rows, last].set(first)
-    y, cache = model.mtp_hidden(next_tokens, hidden, _context(parts, positions + 1, kv_len, 1), cache)
+    next_tokens = jnp.concatenate([tokens[:, 1:], following[:, None].astype(tokens.dtype)], axis=1)
+    next_tokens = next_tokens.at[rows, last].set(jnp.where(holds, first, next_tokens[rows, last]))
+    y, cache = model.mtp_hidden(next_tokens, hidden, _context(parts, positions + 1, mtp_kv_len, 1), cache)
     draft, q = _draft(model, y[rows, last], temperature, draft_key, top_k, top_p, layout)
+    if carry is None:
+        return (first, draft, q), cache
+    keep = lambda new, old: jnp.where(holds.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
+    return tuple(keep(new, old) for new, old in zip((first, draft, q), carry)), cache
+
+
+@jax.jit
+def start_speculating(carry, lengths, budgets, seed, temperature, eos_id) -> SpecState:
+    """The state the speculative steps start from, given each row's (first token, draft, q) from
+    the prefill chunks (`_prefill_chunk`)."""
+    first, draft, q = carry
+    key = jax.random.split(jax.random.key(seed), 3)[0]
     remaining = budgets - 1
     finished = (first == eos_id) | (remaining <= 0)
     out = jnp.stack([first, jnp.zeros_like(first), jnp.ones_like(first), jnp.zeros_like(first)], axis=1)
-    return SpecState(first, draft, q, lengths, finished, remaining, key, temperature, eos_id, out), cache
+    return SpecState(first, draft, q, lengths, finished, remaining, key, temperature, eos_id, out)
 
 
 def _accept(s: SpecState, logits: jax.Array, keys, top_k: int, top_p: float):
@@ -140,25 +160,27 @@ def _context(parts: StepParts, positions, kv_len: int, kv_start: int = 0):
 
 
 def make_mtp_steps(parts: StepParts):
-    """The jitted MTP prefill and speculative step of a model with an MTP module (cache donated);
-    `parts.layout` must not split the batch (every device holds every row's state).
+    """The jitted MTP prefill chunk and speculative step of a model with an MTP module (cache
+    donated); `parts.layout` must not split the batch (every device holds every row's state).
 
-    prefill(state, cache, tokens, lengths, budgets, seed, temperature, eos_id, *, kv_len, top_k, top_p)
-        -> (SpecState, cache);  step(state, cache, spec_state, *, kv_len, top_k, top_p) -> (SpecState, cache).
+    prefill(state, cache, tokens, following, start, lengths, carry, seed, temperature, *, kv_len, mtp_kv_len,
+            top_k, top_p) -> ((first, draft, q), cache)  (`_prefill_chunk`; `start_speculating` then makes the
+        SpecState);  step(state, cache, spec_state, *, kv_len, top_k, top_p) -> (SpecState, cache).
     """
     c_specs = parts.cache_specs
 
-    def prefill(state, cache, tokens, lengths, budgets, seed, temperature, eos_id, *, kv_len, top_k, top_p):
-        body = functools.partial(_prefill, parts, kv_len=kv_len, top_k=top_k, top_p=top_p)
-        return jax.shard_map(body, mesh=parts.mesh, in_specs=(parts.state_specs, c_specs) + (P(),) * 6,
+    def prefill(state, cache, tokens, following, start, lengths, carry, seed, temperature, *, kv_len, mtp_kv_len,
+                top_k, top_p):
+        body = functools.partial(_prefill_chunk, parts, kv_len=kv_len, mtp_kv_len=mtp_kv_len, top_k=top_k,
+                                 top_p=top_p)
+        return jax.shard_map(body, mesh=parts.mesh, in_specs=(parts.state_specs, c_specs) + (P(),) * 7,
                              out_specs=(P(), c_specs), check_vma=False)(
-            state, cache, tokens, lengths, budgets, seed, temperature, eos_id)
+            state, cache, tokens, following, start, lengths, carry, seed, temperature)
 
     def step(state, cache, s, *, kv_len, top_k, top_p):
         body = functools.partial(_step, parts, kv_len=kv_len, top_k=top_k, top_p=top_p)
         return jax.shard_map(body, mesh=parts.mesh, in_specs=(parts.state_specs, c_specs, P()),
                              out_specs=(P(), c_specs), check_vma=False)(state, cache, s)
 
-    statics = ("kv_len", "top_k", "top_p")
-    return (jax.jit(prefill, static_argnames=statics, donate_argnums=(1,)),
-            jax.jit(step, static_argnames=statics, donate_argnums=(1,)))
+    return (jax.jit(prefill, static_argnames=("kv_len", "mtp_kv_len", "top_k", "top_p"), donate_argnums=(1,)),
+            jax.jit(step, static_argnames=("kv_len", "top_k", "top_p"), donate_argnums=(1,)))
