@@ -9,7 +9,6 @@ import pytest
 
 import dsv3_jax
 from dsv3_jax.sharding import PRESETS, Layout, make_mesh
-from hf_models import hf_model, save
 from script_modules import load_script
 
 TOL = 2e-5
@@ -19,6 +18,8 @@ PROMPTS = [[5, 17, 300, 2, 9, 44, 101], [7, 7, 1], [400, 33, 8, 250, 3]]
 @pytest.fixture(scope="module")
 def v3(tmp_path_factory):
     """A tiny V3 checkpoint (MoE with shared experts, a dense layer, q_lora, YaRN)."""
+    from hf_models import hf_model, save  # test-only packages: the GPU test below needs none
+
     return save(hf_model("v3", seed=11), tmp_path_factory.mktemp("v3_layouts"))
 
 

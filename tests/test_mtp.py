@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch")  # a test-only package
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
