@@ -5,8 +5,11 @@ division is not correctly rounded, the CPU's is), and independent float64 / IEEE
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 
 import jax
+import pytest
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -17,6 +20,22 @@ from pallas_kernels.reference import act_quant_ref, fp8_gemm_ref, weight_dequant
 
 FP8 = jnp.float8_e4m3fn
 E4M3 = ml_dtypes.float8_e4m3fn
+# the kernel modules whose wrappers fall back to the kernel's jnp twin (`interpret_in_shard_map`)
+KERNEL_MODULES = ("quantize", "dequantize", "gemm", "grouped", "mla", "router")
+
+
+@contextlib.contextmanager
+def kernel_twins():
+    """Within: every Pallas kernel that would run in interpret mode (no GPU) computes its jnp twin
+    instead, the wrappers' own fallback for device-varying shard_map operands, taken everywhere.
+    For tests whose subject is the model's numbers, not the kernels' (which the kernel tests prove
+    equal to their twins: bit for bit, or within gemm_tolerance). Only what is traced within sees
+    it: build the models there."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in KERNEL_MODULES:
+            module = importlib.import_module(f"pallas_kernels.{name}")
+            patch.setattr(module, "interpret_in_shard_map", lambda interpret, *operands: interpret)
+        yield
 
 
 def cpu():
