@@ -25,14 +25,15 @@ KERNEL_MODULES = ("quantize", "dequantize", "gemm", "grouped", "mla", "router")
 
 
 @contextlib.contextmanager
-def kernel_twins():
+def kernel_twins(*modules: str):
     """Within: every Pallas kernel that would run in interpret mode (no GPU) computes its jnp twin
     instead, the wrappers' own fallback for device-varying shard_map operands, taken everywhere.
     For tests whose subject is the model's numbers, not the kernels' (which the kernel tests prove
     equal to their twins: bit for bit, or within gemm_tolerance). Only what is traced within sees
-    it: build the models there."""
+    it: build the models there. `modules`: only the kernels of these pallas_kernels modules (default:
+    all of KERNEL_MODULES)."""
     with pytest.MonkeyPatch.context() as patch:
-        for name in KERNEL_MODULES:
+        for name in modules or KERNEL_MODULES:
             module = importlib.import_module(f"pallas_kernels.{name}")
             patch.setattr(module, "interpret_in_shard_map", lambda interpret, *operands: interpret)
         yield
