@@ -15,11 +15,13 @@ import collections
 import json
 import re
 
+import jax
 import numpy as np
 
 import dsv3_jax
+from dsv3_jax.api import _abstract
 from dsv3_jax.config import ModelArgs
-from dsv3_jax.sharding import PRESETS
+from dsv3_jax.sharding import PRESETS, make_mesh
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _COMPILED = re.compile(r"\b(" + "|".join(KINDS) + r")(?:-start)?\(")
@@ -38,10 +40,21 @@ def collective_counts(text: str) -> dict[str, int]:
     return {kind: found.get(kind, 0) for kind in KINDS}
 
 
+def zero_model(args: ModelArgs, layout: str, num_devices: int) -> dsv3_jax.Model:
+    """The model of `args` with its layer scans unrolled and every weight zero: the program of
+    `dsv3_jax.build`'s model without compiling its random initialisation."""
+    if args.gate_bias is None:
+        args = args.replace(gate_bias=args.score_func == "sigmoid")  # as `build` decides it
+    options = dsv3_jax.RunOptions(compute_dtype="float32", layout=layout, unroll=True)
+    graphdef, abstract = _abstract(args, options)
+    state = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
+    return dsv3_jax.Model(args, graphdef, state, make_mesh(num_devices), options)
+
+
 def step_counts(args: ModelArgs, layout: str, num_devices: int, batch: int, compiled: bool = True) -> tuple:
     """(lowered, compiled) collective counts of one decode step of `batch` rows (compiled: only
     when `compiled`)."""
-    model = dsv3_jax.build(args, compute_dtype="float32", num_devices=num_devices, layout=layout, unroll=True)
+    model = zero_model(args, layout, num_devices)
     zeros = np.zeros((batch,), np.int32)
     lowered = model.step.lower(model.state, model.cache, np.zeros((batch, 1), np.int32), zeros, zeros, kv_len=64)
     return (collective_counts(lowered.as_text()),) + ((collective_counts(lowered.compile().as_text()),)

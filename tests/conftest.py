@@ -1,6 +1,7 @@
 """Test set-up: four forced host devices (so 1-vs-N device parity runs on a CPU), float64 oracles,
 and the `gpu` marker, whose tests are skipped unless a GPU is present."""
 import os
+import zlib
 
 # Four host devices for 1-vs-N parity; backend optimisation off halves XLA:CPU compile time (tests only).
 os.environ.setdefault(
@@ -9,6 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 # Subprocesses (the CLI, the converters, scripts, examples) import this checkout's packages, whatever
@@ -46,3 +48,10 @@ def fixtures_dir() -> Path:
 @pytest.fixture(scope="session")
 def configs_dir() -> Path:
     return CONFIGS
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A generator seeded by the test's id (file, name, parameters): the same numbers every run and
+    on every machine (crc32, not the per-process salted hash())."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-import torch
+import pytest
+
+torch = pytest.importorskip("torch")
 
 from dsv3_jax.checkpoint.safetensors import save_file
 

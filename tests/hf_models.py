@@ -5,8 +5,10 @@ import math
 from pathlib import Path
 
 import numpy as np
-import torch
-import transformers
+import pytest
+
+torch = pytest.importorskip("torch")  # test-only packages: a module that needs them is skipped without
+transformers = pytest.importorskip("transformers")
 
 V3_TINY = dict(
     vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,

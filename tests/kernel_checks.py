@@ -5,8 +5,11 @@ division is not correctly rounded, the CPU's is), and independent float64 / IEEE
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 
 import jax
+import pytest
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -17,6 +20,23 @@ from pallas_kernels.reference import act_quant_ref, fp8_gemm_ref, weight_dequant
 
 FP8 = jnp.float8_e4m3fn
 E4M3 = ml_dtypes.float8_e4m3fn
+# the kernel modules whose wrappers fall back to the kernel's jnp twin (`interpret_in_shard_map`)
+KERNEL_MODULES = ("quantize", "dequantize", "gemm", "grouped", "mla", "router")
+
+
+@contextlib.contextmanager
+def kernel_twins(*modules: str):
+    """Within: every Pallas kernel that would run in interpret mode (no GPU) computes its jnp twin
+    instead, the wrappers' own fallback for device-varying shard_map operands, taken everywhere.
+    For tests whose subject is the model's numbers, not the kernels' (which the kernel tests prove
+    equal to their twins: bit for bit, or within gemm_tolerance). Only what is traced within sees
+    it: build the models there. `modules`: only the kernels of these pallas_kernels modules (default:
+    all of KERNEL_MODULES)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in modules or KERNEL_MODULES:
+            module = importlib.import_module(f"pallas_kernels.{name}")
+            patch.setattr(module, "interpret_in_shard_map", lambda interpret, *operands: interpret)
+        yield
 
 
 def cpu():
@@ -139,6 +159,26 @@ def numpy_gemm(a, a_s, b, b_s):
     return (a64 @ b64.T).reshape(*a.shape[:-1], n)
 
 
+# fp8_gemm's relative L2 error against float64. Interpret mode (a CPU) computes in IEEE float32,
+# so only the order of additions differs: measured 3e-8..7e-8 over every shape and tiling here.
+# 1e-6 catches what a wrong kernel does short of a crash: a lost or repeated 128-K block (~0.5),
+# one wrong output column of 200 (~0.07), a bf16 intermediate or scale (~2e-3), float16 or TF32
+# products (~5e-4). Compiled on a GPU the tensor cores add the products in their own precision.
+GEMM_F32_REL_L2_INTERPRET = 1e-6
+GEMM_F32_REL_L2_COMPILED = 1e-3
+# A bfloat16 output rounds each element to 8 significant bits: a relative error of at most 2^-8
+# (half the spacing 2^-7 of values just above a power of two), so a relative L2 of at most 2^-8
+# too (measured 1.3e-3..1.8e-3), plus the float32 accumulation's.
+BF16_ROUNDING = 2.0**-8
+
+
+def gemm_tolerance(out_dtype, interpret: bool | None = None) -> float:
+    """The bound on fp8_gemm's relative L2 error for this output dtype (see above)."""
+    interpret = GM.use_interpret() if interpret is None else interpret
+    f32 = GEMM_F32_REL_L2_INTERPRET if interpret else GEMM_F32_REL_L2_COMPILED
+    return f32 if jnp.dtype(out_dtype) == jnp.float32 else BF16_ROUNDING + f32
+
+
 def rel_l2(got, want) -> float:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.isfinite(got).all(), "non-finite output"
@@ -158,8 +198,7 @@ def check_fp8_gemm(a, a_s, b, b_s, config=None, out_dtype=jnp.float32, want=None
         c = GM.fp8_gemm_with_config(a, a_s, b, b_s, config, out_dtype=out_dtype)
     assert c.shape == (*a.shape[:-1], b.shape[0]) and c.dtype == jnp.dtype(out_dtype)
     want = numpy_gemm(a, a_s, b, b_s) if want is None else want
-    # float32 output: only accumulation-order error; bfloat16 output adds its 2^-9 rounding.
-    tol = tol or (1e-3 if jnp.dtype(out_dtype) == jnp.float32 else 5e-3)
+    tol = tol or gemm_tolerance(out_dtype)
     err = rel_l2(c, want)
     assert err < tol, f"fp8_gemm rel L2 {err:.2e} >= {tol} (config {config})"
     return err

@@ -4,7 +4,7 @@ import json
 import math
 
 import pytest
-import transformers
+transformers = pytest.importorskip("transformers")  # a test-only package
 
 from dsv3_jax.config import ConfigError, ModelArgs
 from hf_models import V2_TINY, V3_TINY

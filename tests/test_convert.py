@@ -18,7 +18,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch")  # a test-only package
 from safetensors import safe_open
 
 import dsv3_jax

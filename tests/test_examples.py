@@ -4,8 +4,10 @@ heat map drawn."""
 import os
 from pathlib import Path
 
-import nbformat
-from nbclient import NotebookClient
+import pytest
+
+nbformat = pytest.importorskip("nbformat")  # test-only packages
+NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "walkthrough.ipynb"

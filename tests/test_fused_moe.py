@@ -1,14 +1,22 @@
 """moe_impl "fused" (w1+w3+silu*mul in one grouped launch, w2 with the routing weights in its
-accumulator) and "slots" (the same kernels over unsorted (token, expert) slots) give the logits of "ragged" on tiny models: 1 and 4 devices, bf16 and fp8 weights,
-both gemm_impls, prefill and decode. On a CPU inside shard_map the grouped kernels run as their
-jnp twins (see pallas_kernels/_common.interpret_in_shard_map); the kernels themselves are checked
-in interpret mode in tests/test_grouped_gemm.py, and on the GPU by tests/test_layer_mix_gpu.py."""
+accumulator) and "slots" (the same kernels over unsorted (token, expert) slots) give the logits of
+"ragged" on tiny models: 1 and 4 devices, bf16 and fp8 weights, both gemm_impls, prefill and decode.
+On a CPU the grouped kernels run in Pallas interpret mode inside the model's step (the model's
+shard_map does not check varying axes); the kernels alone are checked in tests/test_grouped_gemm.py,
+and in the model on the GPU by tests/test_moe_paths_gpu.py and tests/test_layer_mix_gpu.py."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import dsv3_jax
+from dsv3_jax.sharding import make_mesh
+from kernel_checks import kernel_twins
+
+# The fused and slots models run the dense layers' fp8 kernels (Linear: act_quant, fp8_gemm,
+# weight_dequant) as their jnp twins, the grouped kernels under test in interpret mode; the ragged
+# reference runs every kernel in interpret mode (the twins differ from them by <= 1e-6 relative).
+DENSE_KERNELS = ("quantize", "dequantize", "gemm")
 
 
 def tiny(weights: str) -> dsv3_jax.ModelArgs:
@@ -35,6 +43,29 @@ def prefill_and_decode(model, steps: int = 2) -> list[np.ndarray]:
     return out
 
 
+@pytest.fixture(scope="module")
+def ragged():
+    """ragged(num_devices, weights, gemm_impl, compute_dtype) -> (model, its logits): the reference,
+    built and run once per configuration and shared by every implementation compared with it."""
+    built = {}
+
+    def get(num_devices: int, weights: str, gemm_impl: str, compute_dtype: str):
+        key = (num_devices, weights, gemm_impl, compute_dtype)
+        if key not in built:
+            model = dsv3_jax.build(tiny(weights), seed=0, num_devices=num_devices, gemm_impl=gemm_impl,
+                                   compute_dtype=compute_dtype, moe_impl="ragged")
+            built[key] = model, prefill_and_decode(model)
+        return built[key]
+
+    return get
+
+
+def same_weights(model, mesh=None, **choices):
+    """`model`'s weights under other run options (and on another mesh)."""
+    return dsv3_jax.Model(model.args, model.graphdef, model.state, model.mesh if mesh is None else mesh,
+                          dsv3_jax.RunOptions.make(model.options, **choices))
+
+
 @pytest.mark.parametrize("impl", ["fused", "slots"])
 @pytest.mark.parametrize("num_devices, weights, gemm_impl, compute_dtype, tol", [
     (1, "bf16", "bf16", "float32", 1e-5),
@@ -43,26 +74,23 @@ def prefill_and_decode(model, steps: int = 2) -> list[np.ndarray]:
     (4, "fp8", "fp8", "float32", 1e-5),
     (4, "fp8", "bf16", "bfloat16", 2e-2),
 ])
-def test_fused_moe_matches_ragged(num_devices, weights, gemm_impl, compute_dtype, tol, impl):
-    fused = dsv3_jax.build(tiny(weights), seed=0, num_devices=num_devices, gemm_impl=gemm_impl,
-                           compute_dtype=compute_dtype, moe_impl=impl)
-    ragged = dsv3_jax.Model(fused.args, fused.graphdef, fused.state, fused.mesh,
-                            dsv3_jax.RunOptions.make(fused.options, moe_impl="ragged"))
-    for step, (g, w) in enumerate(zip(prefill_and_decode(fused), prefill_and_decode(ragged))):
+def test_fused_moe_matches_ragged(ragged, num_devices, weights, gemm_impl, compute_dtype, tol, impl):
+    reference, expected = ragged(num_devices, weights, gemm_impl, compute_dtype)
+    with kernel_twins(*DENSE_KERNELS):
+        got = prefill_and_decode(same_weights(reference, moe_impl=impl))
+    for step, (g, w) in enumerate(zip(got, expected, strict=True)):
         assert np.isfinite(g).all(), step
         rel = np.linalg.norm(g - w) / np.linalg.norm(w)
         assert rel < tol, f"step {step}: {impl} vs ragged relative L2 {rel:.2e}"
 
 
 @pytest.mark.parametrize("layout", ["dp-attn", "ep-only"])
-def test_slots_in_a_batch_split_layout(layout):
+def test_slots_in_a_batch_split_layout(ragged, layout):
     """"slots" where the rows are gathered for the experts and scattered back (dp-attn: 2 rows padded
     to 4 over 4 devices) or replicated (ep-only): each rank adds only its own experts' slots (other
     ranks' name no expert, -1), so the logits equal "ragged" on one device."""
-    args = tiny("bf16")
-    one = dsv3_jax.build(args, seed=0, compute_dtype="float32", moe_impl="ragged")
-    split = dsv3_jax.build(args, seed=0, num_devices=4, compute_dtype="float32", moe_impl="slots", layout=layout)
-    split = dsv3_jax.Model(args, split.graphdef, one.state, split.mesh, split.options)  # the same weights
-    for step, (g, w) in enumerate(zip(prefill_and_decode(split), prefill_and_decode(one))):
+    one, expected = ragged(1, "bf16", "bf16", "float32")
+    split = same_weights(one, make_mesh(4), moe_impl="slots", layout=layout)
+    for step, (g, w) in enumerate(zip(prefill_and_decode(split), expected, strict=True)):
         rel = np.linalg.norm(g - w) / np.linalg.norm(w)
         assert rel < 1e-5, f"step {step}: slots ({layout}, 4 devices) vs ragged (1 device) relative L2 {rel:.2e}"

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch")  # a test-only package
 
 import dsv3_jax
 from dsv3_jax import generate as gen

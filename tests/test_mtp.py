@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch")  # a test-only package
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
@@ -239,7 +239,8 @@ def test_mtp_logits_equal_float64_numpy_statement(hf_mtp_dir):
 
 # ------------------------------------------------------------------ greedy identity
 def build_spec_model(num_devices: int):
-    return dsv3_jax.build(tiny_args().replace(max_batch_size=4, max_seq_len=48), mtp=True, compute_dtype="float32",
+    # 5 cache rows for batches of 4: every call also runs the rows-below-max_batch_size path
+    return dsv3_jax.build(tiny_args().replace(max_batch_size=5, max_seq_len=48), mtp=True, compute_dtype="float32",
                           seed=3, num_devices=num_devices)
 
 
@@ -254,11 +255,13 @@ def spec_model_one_device():
 
 
 def test_greedy_output_is_identical_with_mtp(spec_model):
+    """Three calls of one batch size, so that each function compiles for at most two prompt buckets
+    (32 and 48 tokens), not once per case."""
     rng = np.random.default_rng(0)
     total = dict(drafts=0, accepted=0)
-    cases = [([3, 9, 17, 5], 30, -1),  # unequal prompts
+    cases = [([3, 9, 17, 5], 30, -1),  # unequal prompts, whole budgets (total_len 47)
              ([40, 2, 44, 30], 20, -1),  # budgets cut by max_seq_len = 48: 8, 20, 4, 18 (and 2-token steps at the end)
-             ([7], 25, -1), ([47], 5, -1), ([20, 11], 30, 5)]  # batch 1, a prompt one short of max_seq_len, eos
+             ([20, 11, 7, 47], 30, 5)]  # eos; the last prompt one short of max_seq_len (a budget of 1)
     for lengths, new, eos in cases:
         prompts = [rng.integers(0, 8, n).tolist() for n in lengths]
         plain = spec_model.generate(prompts, new, eos_id=eos, temperature=0.0)
@@ -322,34 +325,47 @@ def test_sampled_tokens_follow_the_main_model(spec_model_one_device, top_k, top_
 
 
 # ------------------------------------------------------------------ the MTP layer through the converters
-def assert_same_mtp_model(reference, other):
+def mtp_outputs(model) -> dict:
+    """What a converted model must reproduce: the MTP module's logits and greedy MTP completions."""
     tokens = np.random.default_rng(3).integers(0, 64, (2, 12))
-    np.testing.assert_array_equal(our_mtp_logits(other, tokens), our_mtp_logits(reference, tokens))
-    prompts = [[5, 9, 33, 2], [17]]
     stats = {}
-    expected = reference.generate(prompts, 12, eos_id=-1, temperature=0.0, mtp=True)
-    assert other.generate(prompts, 12, eos_id=-1, temperature=0.0, mtp=True, stats=stats) == expected
-    assert expected == reference.generate(prompts, 12, eos_id=-1, temperature=0.0)
+    completions = model.generate([[5, 9, 33, 2], [17]], 12, eos_id=-1, temperature=0.0, mtp=True, stats=stats)
     assert stats["drafts"] > 0
+    return dict(logits=our_mtp_logits(model, tokens), completions=completions)
+
+
+def reference_outputs(model) -> dict:
+    """mtp_outputs of the model loaded from the HF directory, whose MTP completions are also its plain ones."""
+    outputs = mtp_outputs(model)
+    assert outputs["completions"] == model.generate([[5, 9, 33, 2], [17]], 12, eos_id=-1, temperature=0.0)
+    return outputs
+
+
+def assert_same_mtp_model(expected: dict, other):
+    got = mtp_outputs(other)
+    np.testing.assert_array_equal(got["logits"], expected["logits"])
+    assert got["completions"] == expected["completions"]
 
 
 @pytest.fixture(scope="module")
-def hf_mtp_model(hf_mtp_dir):
-    return dsv3_jax.load(hf_mtp_dir[2], compute_dtype="float32", max_batch_size=2, max_seq_len=64, mtp=True)
+def hf_mtp_outputs(hf_mtp_dir):
+    """reference_outputs of the HF directory's model on one device (made once for the module)."""
+    return reference_outputs(dsv3_jax.load(hf_mtp_dir[2], compute_dtype="float32", max_batch_size=2, max_seq_len=64,
+                                           mtp=True))
 
 
-def test_orbax_conversion_keeps_the_mtp_layer(hf_mtp_dir, hf_mtp_model, tmp_path):
+def test_orbax_conversion_keeps_the_mtp_layer(hf_mtp_dir, hf_mtp_outputs, tmp_path):
     from dsv3_jax.convert.to_orbax import to_orbax
 
     to_orbax(hf_mtp_dir[2], tmp_path / "orbax")
     converted = dsv3_jax.load(tmp_path / "orbax", compute_dtype="float32", max_batch_size=2, max_seq_len=64,
                               mtp=True)
     assert converted.has_mtp
-    assert_same_mtp_model(hf_mtp_model, converted)
+    assert_same_mtp_model(hf_mtp_outputs, converted)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_model, tmp_path, ranks):
+def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_outputs, tmp_path, ranks):
     from dsv3_jax.convert.convert import main as convert_main
 
     directory = hf_mtp_dir[2]
@@ -369,9 +385,12 @@ def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_mode
         with pytest.raises(ToolError, match="holds no MTP layer"):
             convert_main(["--hf-ckpt-path", str(bare), "--save-path", str(tmp_path / "x"), "--n-experts", "8",
                           "--model-parallel", "1", "--keep-mtp"])
-    reference = hf_mtp_model if ranks == 1 else dsv3_jax.load(directory, mtp=True, num_devices=ranks, **{
-        k: v for k, v in common.items() if k != "config"})  # bitwise: the same device count
-    assert_same_mtp_model(reference, converted)
+    if ranks == 1:
+        expected = hf_mtp_outputs
+    else:  # bitwise: against the HF directory's model on as many devices
+        expected = reference_outputs(dsv3_jax.load(directory, mtp=True, num_devices=ranks, compute_dtype="float32",
+                                                   max_batch_size=2, max_seq_len=64))
+    assert_same_mtp_model(expected, converted)
 
 
 # ------------------------------------------------------------------ chunked prefill

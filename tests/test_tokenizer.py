@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import tokenizers
-import transformers
+transformers = pytest.importorskip("transformers")  # a test-only package
 
 import dsv3_jax
 from dsv3_jax.tokenizer import Tokenizer, TokenizerError
