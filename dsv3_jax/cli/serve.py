@@ -19,8 +19,12 @@ from pathlib import Path
 import jax
 
 from .chat import ChatError, banner, check_paths_and_devices, checkpoint_path, load_model
-from .common import ArgumentParser, run_cli
+from ..api import build
+from ..config import ModelArgs
 from ..options import add_flags, from_flags
+from ..serving.engine import Engine
+from ..serving.random_model import IdTokenizer
+from .common import ArgumentParser, run_cli
 
 DEFAULT_PORT = 8000
 
@@ -84,17 +88,12 @@ def parse_buckets(parser, text: str | None, rows: int) -> tuple[int, ...] | None
 
 def load(args: argparse.Namespace):
     """(model, tokenizer, served name) as the flags ask."""
-    import dsv3_jax
-
     if args.random_config is not None:
-        from .config import ModelArgs
-        from ..serving.random_model import IdTokenizer
-
         if not args.random_config.is_file():
             raise ChatError(f"--random-config {args.random_config} is not a file")
         config = ModelArgs.from_file(args.random_config).replace(max_batch_size=args.max_batch_size,
                                                                 max_seq_len=args.max_seq_len)
-        model = dsv3_jax.build(config, options=from_flags(args), seed=args.seed,
+        model = build(config, options=from_flags(args), seed=args.seed,
                                num_devices=args.num_devices or jax.device_count())
         return model, IdTokenizer(config.vocab_size), args.served_model_name or random_name(args.random_config)
     check_paths_and_devices(args)
@@ -108,10 +107,10 @@ def random_name(config: Path) -> str:
 
 
 def serve(argv: list[str] | None = None) -> None:
+    # the HTTP stack is the `serve` extra: imported only to serve, so that --help and flag errors need none of it
     import uvicorn
 
     from ..serving.app import Limits, Service, make_app
-    from ..serving.engine import Engine
 
     args = parse_args(argv)
     model, tokenizer, name = load(args)
