@@ -7,10 +7,12 @@ key 20,000 positions back by a different angle, and the softmax scale's mscale f
 The sequence is fed in the same chunks to both models (HF through its own cache)."""
 import numpy as np
 import pytest
-import torch
 
 import dsv3_jax
-from hf_models import hf_model, save
+
+torch = pytest.importorskip("torch")  # the oracle (test extra)
+pytest.importorskip("transformers")
+from hf_models import hf_model, save  # noqa: E402
 
 ORIGINAL = 4096
 END = 20_002
