@@ -23,17 +23,19 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from .api import load
-from .cli import ArgumentParser, run_cli
-from .generate import Plan, Timing, generate, warm_up
+from .api import NoMTPLayerError, load
+from .cli import ArgumentParser, one_line, run_cli
+from .generate import MaxSeqLenWarning, Plan, Timing, generate, warm_up
 from .options import add_flags, from_flags
 from .speculative import generate_mtp, warm_up_mtp
 from .tokenizer import Tokenizer
@@ -91,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if not args.temperature >= 0:
-        parser.error(f"--temperature must not be negative, got {args.temperature}")
+        parser.error(f"--temperature must be a number >= 0 (0: greedy), got {args.temperature}")
     if args.top_k < 0:
         parser.error(f"--top-k must not be negative (0: off), got {args.top_k}")
     if not 0 < args.top_p <= 1:
@@ -150,8 +152,27 @@ def start_distributed(args: argparse.Namespace) -> None:
     process_id = setting(args.process_id, "JAX_PROCESS_ID")
     if address is None and processes is None and process_id is None:
         return
+    keep_native_output_off_stdout()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(address, processes, process_id)
+    try:
+        jax.distributed.initialize(address, processes, process_id)
+    except ValueError as err:  # what neither the flags nor a cluster manager jax knows supplied
+        missing = [f"{flag} (or {variable})" for flag, variable, value in (
+            ("--coordinator-address", "JAX_COORDINATOR_ADDRESS", address),
+            ("--num-processes", "JAX_NUM_PROCESSES", processes), ("--process-id", "JAX_PROCESS_ID", process_id))
+            if value is None]
+        hint = f": give {' and '.join(missing)}" if missing else ""
+        raise ChatError(f"cannot start a multi-process run ({one_line(err)}){hint}") from None
+
+
+def keep_native_output_off_stdout() -> None:
+    """Point file descriptor 1 at stderr and keep `sys.stdout` on the real standard output: native
+    libraries write there (gloo reports every connection), which would land inside the answers."""
+    sys.stdout.flush()
+    stdout = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = io.TextIOWrapper(io.FileIO(stdout, "w"), encoding=sys.stdout.encoding, errors=sys.stdout.errors,
+                                  line_buffering=True)
 
 
 class Console:
@@ -198,6 +219,22 @@ class Console:
         if undecodable:
             raise ChatError("standard input is not UTF-8 text")
         return line
+
+    def read_all(self) -> str:
+        """All of standard input (process 0's, shared), which must be UTF-8 text."""
+        text, undecodable = None, False
+        if self.leader:
+            try:
+                text = sys.stdin.read()
+            except UnicodeDecodeError:
+                undecodable = True
+            else:  # surrogate-escaped bytes (a C locale's stdin) are no text either
+                undecodable = not _is_text(text)
+            text = None if undecodable else text
+        text = self.share(text)
+        if text is None:
+            raise ChatError("standard input is not UTF-8 text")
+        return text
 
     def write(self, text: str) -> None:
         if self.leader:
@@ -256,9 +293,11 @@ def load_model(args: argparse.Namespace, batch: int):
     tokenizer = Tokenizer.from_dir(path)
     if tokenizer.eos_id is None:
         raise ChatError(f"the tokenizer in {path} names no eos_token")
-    model = load(path, options=from_flags(args), num_devices=args.num_devices or jax.device_count(),
-                          max_batch_size=batch, max_seq_len=args.max_seq_len, config=args.config,
-                          mtp=args.mtp)
+    try:
+        model = load(path, options=from_flags(args), num_devices=args.num_devices or jax.device_count(),
+                     max_batch_size=batch, max_seq_len=args.max_seq_len, config=args.config, mtp=args.mtp)
+    except NoMTPLayerError:
+        raise ChatError(f"--mtp: {path} holds no multi-token-prediction (MTP) layer; run without --mtp") from None
     if args.top_k > model.args.vocab_size:
         raise ChatError(f"--top-k {args.top_k} exceeds the model's vocabulary of {model.args.vocab_size} tokens")
     return model, tokenizer
@@ -375,9 +414,7 @@ def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
 
 def run_complete(args: argparse.Namespace, console: Console) -> None:
     """Print the prompt, then stream its continuation (raw text, no chat template), then the timing."""
-    text = args.prompt
-    if text is None:
-        text = console.share(sys.stdin.read() if console.leader else None)
+    text = console.read_all() if args.prompt is None else args.prompt
     text = text.rstrip("\n")
     if not text.strip():
         raise ChatError("--complete: the prompt is empty")
@@ -419,6 +456,7 @@ def check_same_settings(args: argparse.Namespace, console: Console) -> None:
 
 
 def chat(argv: list[str] | None = None) -> None:
+    warnings.simplefilter("ignore", MaxSeqLenWarning)  # note_cut says it in the flags' words
     args = parse_args(argv)
     start_distributed(args)
     check_paths_and_devices(args)

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .cache import cache_specs
 from .config import ModelArgs
-from .generate import Plan, Timing, _check_options, _check_prompts, distribution, draw
+from .generate import Plan, Timing, _check_options, _check_prompts, distribution, draw, warn_if_cut
 from .options import RunOptions, StepContext
 from .rope import inverse_frequencies, rotary_angles
 from .sharding import Layout
@@ -192,7 +192,8 @@ def generate_mtp(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: 
 
     `stats` (a dict), when given, receives "drafts" (drafts verified for rows still generating),
     "accepted" (of which accepted), "steps" (model steps after the prefill) and "acceptance".
-    `timing` as in `generate.generate`, with the acceptance rate added.
+    `timing` as in `generate.generate`, with the acceptance rate added; a completion max_seq_len cut
+    short is named in a `MaxSeqLenWarning`, as there.
     """
     started = time.perf_counter()
     state, plan = mtp_prefill(model, prompt_tokens, max_new_tokens, eos_id=eos_id, temperature=temperature,
@@ -236,6 +237,7 @@ def generate_mtp(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: 
     if timing is not None:
         timing.decode_tokens, timing.decode_seconds = decoded, time.perf_counter() - prefilled
         timing.acceptance = acceptance
+    warn_if_cut(plan, completions, max_new_tokens, model.args.max_seq_len)
     return completions
 
 
