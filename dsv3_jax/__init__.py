@@ -2,10 +2,11 @@
 from .api import Model, build, load
 from .config import ConfigError, ModelArgs
 from .decode import generate
+from .decode.generate import MaxSeqLenWarning
 from .decode.step import make_step
 from .errors import CheckpointError
 from .model.cache import cache_window
 from .options import RunOptions
 
-__all__ = ["CheckpointError", "ConfigError", "Model", "ModelArgs", "RunOptions", "build", "cache_window", "generate",
-           "load", "make_step"]
+__all__ = ["CheckpointError", "ConfigError", "MaxSeqLenWarning", "Model", "ModelArgs", "RunOptions", "build",
+           "cache_window", "generate", "load", "make_step"]

@@ -23,7 +23,7 @@ from .config import ModelArgs
 from .decode.generate import generate
 from .decode.speculative import make_mtp_steps
 from .decode.step import StepParts, make_step
-from .errors import CheckpointError
+from .errors import CheckpointError, NoMTPLayerError
 from .memory import check_fits
 from .model.cache import allocate_cache, cache_window
 from .model.transformer import Transformer
@@ -110,12 +110,20 @@ class Model:
         """Complete each prompt (the reference's `generate`, rows advancing on their own positions).
 
         Completions stop before the first `eos_id` and after max_new_tokens; temperature 0 is greedy.
-        See `dsv3_jax.decode.generate.generate` for the options. mtp=True decodes speculatively with the
+        See `dsv3_jax.decode.generate.generate` for the options (and the `MaxSeqLenWarning` naming
+        completions that max_seq_len cut short). mtp=True decodes speculatively with the
         MTP module's drafts (same outputs when greedy, same distribution when sampling; see
         `dsv3_jax.decode.speculative`); `stats` (a dict) then receives the drafts' acceptance rate.
         """
         return generate(self, prompt_tokens, max_new_tokens, eos_id, temperature, seed, top_k=top_k, top_p=top_p,
                         on_tokens=on_tokens, mtp=mtp, stats=stats)
+
+
+def _check_gemm_impl(args: ModelArgs, options: RunOptions, path: Path) -> None:
+    """gemm_impl "fp8" quantises activations for fp8 weights: asked of other weights, it would not run."""
+    if options.gemm_impl == "fp8" and not args.quantized:
+        raise ValueError(f"gemm_impl 'fp8' (--gemm-impl fp8) multiplies fp8 weights, but {path} holds {args.dtype} "
+                         "weights: use gemm_impl 'bf16', the default")
 
 
 def _run_options(options: RunOptions | None, dtype: str | None, choices: dict) -> RunOptions:
@@ -171,6 +179,7 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
     else:
         args = ModelArgs.from_file(config)
     args = args.replace(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    _check_gemm_impl(args, options, path)
     mesh = _mesh_for(args, num_devices, mesh)
     layout = model_layout(args, options, mesh)
     check_fits(args, layout, options, mtp=mtp, devices=mesh.devices.flat)  # before any weight is read
@@ -185,7 +194,7 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
         if mtp:
             index = OrbaxMTPIndex(path, args)
             if hf_name(mtp_probe(args)) not in index:
-                raise CheckpointError(f"{path} holds no MTP layer (no {mtp_probe(args)!r} under 'mtp'): "
+                raise NoMTPLayerError(f"{path} holds no MTP layer (no {mtp_probe(args)!r} under 'mtp'): "
                                       "load it without mtp=True")
             state = _join(state, load_state(index, mtp_part, args, mesh, layout, hf_name, progress=progress))
     else:
@@ -195,7 +204,7 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
             index, naming = TensorIndex(path), hf_name
         args = with_gate_bias(args, lambda name: naming(name) in index)
         if mtp and naming(mtp_probe(args)) not in index:
-            raise CheckpointError(f"{path} holds no MTP layer (no tensor {naming(mtp_probe(args))!r}): "
+            raise NoMTPLayerError(f"{path} holds no MTP layer (no tensor {naming(mtp_probe(args))!r}): "
                                   "load it without mtp=True")
         graphdef, abstract_state = _abstract(args, options, mtp=mtp)
         state = load_state(index, abstract_state, args, mesh, layout, naming, progress=progress)

@@ -256,6 +256,15 @@ _HF_IGNORED = {
 }
 
 
+# Keys that fix the model's shape: a config without one is an error (transformers would fill in its
+# own class defaults, this port its reference's, and neither is the checkpoint's model). null is a
+# value (q_lora_rank: none; n_routed_experts: a dense model). Expert groups count with group routing.
+_HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                "first_k_dense_replace", "num_attention_heads", "n_routed_experts", "n_shared_experts",
+                "num_experts_per_tok", "routed_scaling_factor", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim")
+_HF_REQUIRED_WITH_GROUPS = ("n_group", "topk_group")
+
 # The Hugging Face key behind each ModelArgs field, so that an error names what the user wrote.
 _HF_KEY_OF = {field: key for key, field in _HF_RENAMES.items()} | {
     "rope_factor": "rope_scaling.factor", "original_seq_len": "rope_scaling.original_max_position_embeddings",
@@ -278,6 +287,15 @@ def _number(key: str, value: Any) -> float:
     return value
 
 
+def _check_required_keys(hf: dict[str, Any], topk_method: str) -> None:
+    """Every key of _HF_REQUIRED in `hf` (and the expert groups, unless routing is plain greedy)."""
+    required = _HF_REQUIRED + (_HF_REQUIRED_WITH_GROUPS if topk_method != "greedy" else ())
+    missing = [key for key in required if key not in hf]
+    if missing:
+        raise ConfigError(f"the Hugging Face config lacks {', '.join(map(repr, missing))}: "
+                          "the model's shape needs every one")
+
+
 def _translate_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """Map a Hugging Face DeepSeek config onto ModelArgs fields, rejecting what the port cannot run."""
     model_type = hf.get("model_type", "deepseek_v3")
@@ -290,7 +308,11 @@ def _translate_hf(hf: dict[str, Any]) -> dict[str, Any]:
                           ("tie_word_embeddings", False), ("moe_layer_freq", 1)):
         if key in hf and hf[key] != expected:
             raise ConfigError(f"config key {key!r} = {hf[key]!r} is not supported (only {expected!r})")
-    if "num_key_value_heads" in hf and hf["num_key_value_heads"] != hf.get("num_attention_heads"):
+    is_v3 = model_type != "deepseek_v2"
+    topk_method = hf.get("topk_method", "noaux_tc" if is_v3 else "greedy")
+    _check_required_keys(hf, topk_method)
+    heads = hf["num_attention_heads"]  # (its type is checked with the other fields')
+    if "num_key_value_heads" in hf and isinstance(heads, int) and hf["num_key_value_heads"] != heads:
         raise ConfigError("config key 'num_key_value_heads' must equal 'num_attention_heads' (MLA has no GQA)")
 
     out = {_HF_RENAMES[k]: v for k, v in hf.items() if k in _HF_RENAMES}
@@ -300,9 +322,7 @@ def _translate_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if out.get("n_routed_experts") is None:
         out.pop("n_routed_experts", None)
 
-    is_v3 = model_type != "deepseek_v2"
     out.setdefault("score_func", "sigmoid" if is_v3 else "softmax")
-    topk_method = hf.get("topk_method", "noaux_tc" if is_v3 else "greedy")
     if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
         raise ConfigError(f"config key 'topk_method' = {topk_method!r} is not supported")
     out["gate_bias"] = topk_method == "noaux_tc"

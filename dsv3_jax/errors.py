@@ -10,3 +10,7 @@ class CheckpointError(ValueError):
 
 class MemoryPlanError(ValueError):
     """A model, cache and prefill chunk that do not fit the devices; the message says what does."""
+
+
+class NoMTPLayerError(CheckpointError):
+    """load(..., mtp=True) of a checkpoint without a multi-token-prediction layer."""

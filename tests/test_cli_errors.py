@@ -19,10 +19,11 @@ TINY = Path(dsv3_jax.__file__).parent / "assets" / "tiny"
 RATES = re.compile(r"\[prefill (\d+) tokens [\d.]+ tok/s · decode (\d+) tokens [\d.-]+ tok/s\]")
 
 
-def run(*argv, stdin: bytes | str = b"", timeout: float = 180) -> subprocess.CompletedProcess:
+def run(*argv, stdin: bytes | str = b"", timeout: float = 180, cwd: Path = ROOT,
+        env: dict | None = None) -> subprocess.CompletedProcess:
     stdin = stdin.encode() if isinstance(stdin, str) else stdin
     result = subprocess.run([sys.executable, *map(str, argv)], input=stdin, capture_output=True, timeout=timeout,
-                            cwd=ROOT, env=dict(os.environ))
+                            cwd=cwd, env=dict(os.environ) if env is None else env)
     result.stdout, result.stderr = (out.decode("utf-8", "replace") for out in (result.stdout, result.stderr))
     return result
 
@@ -52,6 +53,8 @@ def tiny_copy(tmp_path: Path, name: str) -> Path:
     (("--interactive", "--num-devices", "0"), "--num-devices must be at least 1"),
     (("--interactive", "--num-devices", "999"), "--num-devices 999 exceeds"),
     (("--interactive", "--top-p", "2"), "--top-p must lie in (0, 1]"),
+    (("--interactive", "--temperature", "nan"), "--temperature must be a number >= 0 (0: greedy), got nan"),
+    (("--interactive", "--temperature", "-1"), "--temperature must be a number >= 0 (0: greedy), got -1.0"),
     (("--interactive", "--top-k", "-5"), "--top-k must not be negative"),
     (("--interactive", "--seed", "-1"), "--seed"),
     (("--interactive", "--ckpt-path", "/nonexistent"), "--ckpt-path /nonexistent does not exist"),
@@ -80,6 +83,23 @@ def test_chat_asks_for_the_config_flag_of_a_per_rank_checkpoint(tmp_path):
 def test_chat_rejects_input_that_is_not_utf8():
     one_error_line(chat("--interactive", "--num-devices", "1", stdin=b"\xff\xfe\x00binary\n"),
                    "standard input is not UTF-8 text")
+    one_error_line(chat("--complete", "--tiny", "--num-devices", "1", stdin=b"def f(x):\n    \xff\xfe\n"),
+                   "dsv3-chat: error: standard input is not UTF-8 text")
+
+
+def test_chat_names_the_flags_a_checkpoint_cannot_serve():
+    one_error_line(chat("--tiny", "--interactive", "--num-devices", "1", "--mtp"),
+                   "--mtp:", "holds no multi-token-prediction (MTP) layer", "run without --mtp")
+    one_error_line(chat("--tiny", "--interactive", "--num-devices", "1", "--gemm-impl", "fp8"),
+                   "--gemm-impl fp8", "holds bf16 weights")
+
+
+def test_chat_names_the_missing_flag_of_a_multi_process_start():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    result = run("-m", "dsv3_jax.chat", "--tiny", "--interactive", "--coordinator-address", "127.0.0.1:9",
+                 env=env, timeout=60)
+    one_error_line(result, "cannot start a multi-process run", "--num-processes (or JAX_NUM_PROCESSES)",
+                   "--process-id (or JAX_PROCESS_ID)")
 
 
 def test_batch_prompt_without_room_for_a_completion(tmp_path):
@@ -142,6 +162,19 @@ def test_cast_without_fp8_tensors_is_an_error_and_writes_nothing(tmp_path):
     one_error_line(run("-m", "dsv3_jax.convert.fp8_cast_bf16", "--input-fp8-hf-path", TINY,
                        "--output-bf16-hf-path", out), f"no fp8 tensors in {TINY}: nothing to cast")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["convert", "to_orbax", "fp8_cast_bf16"])
+def test_convert_scripts_run_from_a_checkout(tmp_path, name):
+    """`python convert/<tool>.py` (the reference's way) from any directory, nothing installed on the
+    path: the shim imports this checkout's package."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    shim = ROOT / "convert" / f"{name}.py"
+    result = run(shim, "--help", cwd=tmp_path, env=env)
+    assert result.returncode == 0 and "--help" in result.stdout, result.stderr
+    where = run("-c", "import runpy, sys; runpy.run_path(sys.argv[1]); print(sys.modules['dsv3_jax'].__file__)",
+                shim, cwd=tmp_path, env=env)
+    assert where.returncode == 0 and Path(where.stdout.strip()) == ROOT / "dsv3_jax" / "__init__.py", where
 
 
 def test_tool_rejects_unknown_flags_in_one_line():

@@ -111,6 +111,7 @@ def test_reference_errors_name_the_field(values, field):
     ({"num_key_value_heads": 1}, "num_key_value_heads"),
     ({"hidden_size": "64"}, "'hidden_size' must be int"),
     ({"hidden_size": "big"}, "config key 'hidden_size' must be int, got str 'big'"),
+    ({"num_attention_heads": "four"}, "config key 'num_attention_heads' must be int, got str 'four'"),
     ({"rope_theta": "big"}, "'rope_theta' must be a number"),
     ({"n_group": 0}, "'n_group' must be positive"),
     ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}, "weight_block_size"),
@@ -120,6 +121,25 @@ def test_hf_errors_name_the_field(changes, field):
     with pytest.raises(ConfigError) as err:
         ModelArgs.from_hf_config(_hf(**changes))
     assert field in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("missing", [("num_experts_per_tok",), ("routed_scaling_factor",), ("hidden_size",),
+                                     ("n_group", "q_lora_rank", "v_head_dim")])
+def test_hf_config_without_a_shape_key_names_it(missing):
+    """No default fills a key that fixes the model's shape (transformers' and the reference's differ)."""
+    config = {k: v for k, v in _hf().items() if k not in missing}
+    with pytest.raises(ConfigError) as err:
+        ModelArgs.from_hf_config(config)
+    message = str(err.value)
+    assert message.startswith("the Hugging Face config lacks ") and "\n" not in message
+    assert all(repr(key) in message for key in missing), message
+
+
+def test_expert_groups_are_optional_with_plain_greedy_routing():
+    v2 = {k: v for k, v in json.loads(transformers.DeepseekV2Config(**V2_TINY).to_json_string()).items()
+          if k not in ("n_group", "topk_group")}
+    args = ModelArgs.from_hf_config(v2)
+    assert (args.n_expert_groups, args.n_limited_groups) == (1, 1)
 
 
 def test_missing_and_malformed_files(tmp_path):

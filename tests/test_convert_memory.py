@@ -5,6 +5,7 @@ resident set at that point. Linux only (/proc)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +17,18 @@ from test_convert import make_source
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
-# A bf16 model of ~170 MiB in 5 files whose largest tensors (embedding, head) are 4 MiB each, and an fp8
-# one of ~60 MiB (fp8 experts), so that the model dwarfs the largest tensor and the tools' fixed overheads.
+# A bf16 model of ~220 MiB in 5 files whose largest tensors (embedding, head) are 4 MiB each, and an fp8
+# one of ~140 MiB (fp8 experts), so that the model dwarfs the largest tensor and the tools' fixed overheads.
 BIG = dict(vocab_size=8192, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=32,
-           num_hidden_layers=24, n_group=4, topk_group=2, num_experts_per_tok=3)
+           num_hidden_layers=32, n_group=4, topk_group=2, num_experts_per_tok=3)
 BIG_FP8 = dict(BIG, vocab_size=4096, hidden_size=512, moe_intermediate_size=256, qk_nope_head_dim=64,
                qk_rope_head_dim=64, v_head_dim=64, kv_lora_rank=128, q_lora_rank=128, n_routed_experts=16,
-               num_hidden_layers=8)
+               num_hidden_layers=16)
+# The resident set also holds what the traced peak does not see: the writers' native buffers
+# (TensorStore's, for orbax), measured 7-60 MiB whatever the model's size (to_orbax: 29 MiB at 170 MiB
+# and 33 MiB at 320 MiB), more under CPU load. Its bound is half the model: a tool holding the whole
+# model (or its output) grows by at least the model, twice the bound.
+RSS_BOUND = 1 / 2
 
 MEASURE = """
 import json, sys, tracemalloc, importlib
@@ -48,8 +54,11 @@ def measure(tool: str, make_argv, warm_source: Path, source: Path, directory: Pa
     as_json = lambda args: json.dumps([str(a) for a in args])  # noqa: E731
     runs = [make_argv(warm_source, directory / "warm"), make_argv(source, directory / "out"),
             make_argv(source, directory / "traced")]
+    # XLA's default optimisation (not the suite's faster-compiling level 0): the cast's dequantising
+    # kernel runs over the whole model
+    env = {**os.environ, "XLA_FLAGS": ""}
     result = subprocess.run([sys.executable, "-c", MEASURE, tool, *map(as_json, runs)], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -89,15 +98,15 @@ def test_peak_memory_is_about_the_largest_tensor(big_source, tiny_sources, tmp_p
     peak = measure(tool, args, tiny_sources["bf16"], big_source, tmp_path)
     report(capsys, tool, total, largest, peak, tmp_path)
     assert peak["traced_peak"] < 2 * largest + 2 * MIB
-    assert peak["rss_growth"] < total / 3
+    assert peak["rss_growth"] < RSS_BOUND * total
 
 
 def test_cast_peak_memory(tiny_sources, tmp_path_factory, tmp_path, capsys):
     source = make_source(tmp_path_factory.mktemp("big_fp8"), "v3", fp8=True, files=5, **BIG_FP8)
     total, largest = sizes(source)
-    assert total > 12 * largest
+    assert total > 24 * largest
     args = lambda src, dst: ["--input-fp8-hf-path", src, "--output-bf16-hf-path", dst]  # noqa: E731
     peak = measure("fp8_cast_bf16", args, tiny_sources["fp8"], source, tmp_path)
     report(capsys, "fp8_cast_bf16", total, largest, peak, tmp_path)
     assert peak["traced_peak"] < 3 * largest + 2 * MIB
-    assert peak["rss_growth"] < total / 2
+    assert peak["rss_growth"] < RSS_BOUND * total

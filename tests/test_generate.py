@@ -3,6 +3,7 @@ the reference's generate contract, and the compiled steps (no recompilation, no 
 the cache donated)."""
 import gc
 import logging
+import warnings
 from pathlib import Path
 
 import jax
@@ -130,7 +131,9 @@ def test_budgets_follow_the_reference_near_max_seq_len(tiny):
     rng = np.random.default_rng(1)
     lengths, max_new = (5, 40, 64), 30  # total_len = min(64, 94) = 64 -> budgets 30, 24, 0
     prompts = [rng.integers(4, 1024, n).tolist() for n in lengths]
-    out = tiny.generate(prompts, max_new, eos_id=-1, temperature=0.0)
+    with pytest.warns(dsv3_jax.MaxSeqLenWarning, match=r"prompts \[1, 2\] stopped at max_seq_len=64") as caught:
+        out = tiny.generate(prompts, max_new, eos_id=-1, temperature=0.0)
+    assert len(caught) == 1
     assert [len(c) for c in out] == [30, 24, 0]
     assert out[0] == greedy_by_forward(tiny, prompts[0], 30)
     assert out[1] == greedy_by_forward(tiny, prompts[1], 24)
@@ -145,6 +148,27 @@ def test_bad_prompts_are_clear_errors(tiny):
         tiny.generate([[1]] * 4, 4, eos_id=1)
     with pytest.raises(ValueError, match="outside"):
         tiny.generate([[1, 5000]], 4, eos_id=1)
+    with pytest.raises(ValueError, match=r"prompt_tokens must be a list of token lists .* prompt_tokens\[0\] is int"):
+        tiny.generate([0, 5, 6], 4, eos_id=1)  # one prompt, not wrapped in a list
+    with pytest.raises(ValueError, match="prompt_tokens must be a non-empty list of token lists"):
+        tiny.generate("0 5 6", 4, eos_id=1)
+    with pytest.raises(ValueError, match="prompt 0 holds values that are not integer token ids"):
+        tiny.generate([[1.5, 2]], 4, eos_id=1)
+    with pytest.raises(ValueError, match=r"prompt_tokens as an array must be 2-D integer \(batch, seq\)"):
+        tiny.generate(np.array([1, 2, 3]), 4, eos_id=1)
+    for temperature in (float("nan"), -1.0, "0.5"):
+        with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+            tiny.generate([[1, 2]], 4, eos_id=1, temperature=temperature)
+
+
+def test_a_2d_integer_array_of_prompts_is_accepted_like_forward(tiny):
+    prompts = [[0, 2, 50, 60], [0, 2, 80, 7]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dsv3_jax.MaxSeqLenWarning)  # whole budgets: no warning
+        expected = tiny.generate(prompts, 6, eos_id=-1, temperature=0.0)
+        assert tiny.generate(np.array(prompts, np.int32), 6, eos_id=-1, temperature=0.0) == expected
+        assert tiny.generate(jnp.asarray(prompts), 6, eos_id=-1, temperature=0.0) == expected
+    assert expected[0] == greedy_by_forward(tiny, prompts[0], 6)
 
 
 def test_seeded_sampling_and_streaming(tiny):

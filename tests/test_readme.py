@@ -15,3 +15,12 @@ def test_readme_paths_exist():
     missing = sorted(p for p in named if not (ROOT / p).exists())
     assert not missing, missing
     assert "../shared" not in text
+
+
+def test_notebook_api_example_runs(capsys):
+    """The README's first Notebook API block (the demo model from Python) runs as written."""
+    section = (ROOT / "README.md").read_text().split("## Notebook API", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.startswith("def fibonacci(n):\n") and len(printed.splitlines()) > 2, printed

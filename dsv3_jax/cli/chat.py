@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import jax
 
 from ..api import load
-from ..decode.generate import Plan, Timing, generate, warm_up
+from ..decode.generate import MaxSeqLenWarning, Plan, Timing, generate, warm_up
+from ..errors import NoMTPLayerError
 from ..options import add_flags, from_flags
 from ..tokenizer import Tokenizer
 from .common import ArgumentParser, UsageError, run_cli
@@ -87,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if not args.temperature >= 0:
-        parser.error(f"--temperature must not be negative, got {args.temperature}")
+        parser.error(f"--temperature must be a number >= 0 (0: greedy), got {args.temperature}")
     if args.top_k < 0:
         parser.error(f"--top-k must not be negative (0: off), got {args.top_k}")
     if not 0 < args.top_p <= 1:
@@ -164,9 +166,11 @@ def load_model(args: argparse.Namespace, batch: int):
     tokenizer = Tokenizer.from_dir(path)
     if tokenizer.eos_id is None:
         raise ChatError(f"the tokenizer in {path} names no eos_token")
-    model = load(path, options=from_flags(args), num_devices=args.num_devices or jax.device_count(),
-                          max_batch_size=batch, max_seq_len=args.max_seq_len, config=args.config,
-                          mtp=args.mtp)
+    try:
+        model = load(path, options=from_flags(args), num_devices=args.num_devices or jax.device_count(),
+                     max_batch_size=batch, max_seq_len=args.max_seq_len, config=args.config, mtp=args.mtp)
+    except NoMTPLayerError:
+        raise ChatError(f"--mtp: {path} holds no multi-token-prediction (MTP) layer; run without --mtp") from None
     if args.top_k > model.args.vocab_size:
         raise ChatError(f"--top-k {args.top_k} exceeds the model's vocabulary of {model.args.vocab_size} tokens")
     return model, tokenizer
@@ -273,9 +277,7 @@ def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
 
 def run_complete(args: argparse.Namespace, console: Console) -> None:
     """Print the prompt, then stream its continuation (raw text, no chat template), then the timing."""
-    text = args.prompt
-    if text is None:
-        text = console.share(sys.stdin.read() if console.leader else None)
+    text = console.read_all() if args.prompt is None else args.prompt
     text = text.rstrip("\n")
     if not text.strip():
         raise ChatError("--complete: the prompt is empty")
@@ -299,6 +301,7 @@ def run_complete(args: argparse.Namespace, console: Console) -> None:
 
 
 def chat(argv: list[str] | None = None) -> None:
+    warnings.simplefilter("ignore", MaxSeqLenWarning)  # note_cut says it in the flags' words
     args = parse_args(argv)
     start_distributed(args)
     check_paths_and_devices(args)

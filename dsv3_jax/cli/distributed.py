@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import os
 import sys
 
@@ -12,7 +13,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from .common import UsageError
+from .common import UsageError, one_line
 
 
 def start_distributed(args: argparse.Namespace) -> None:
@@ -35,8 +36,27 @@ def start_distributed(args: argparse.Namespace) -> None:
     process_id = setting(args.process_id, "JAX_PROCESS_ID")
     if address is None and processes is None and process_id is None:
         return
+    keep_native_output_off_stdout()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(address, processes, process_id)
+    try:
+        jax.distributed.initialize(address, processes, process_id)
+    except ValueError as err:  # what neither the flags nor a cluster manager jax knows supplied
+        missing = [f"{flag} (or {variable})" for flag, variable, value in (
+            ("--coordinator-address", "JAX_COORDINATOR_ADDRESS", address),
+            ("--num-processes", "JAX_NUM_PROCESSES", processes), ("--process-id", "JAX_PROCESS_ID", process_id))
+            if value is None]
+        hint = f": give {' and '.join(missing)}" if missing else ""
+        raise UsageError(f"cannot start a multi-process run ({one_line(err)}){hint}") from None
+
+
+def keep_native_output_off_stdout() -> None:
+    """Point file descriptor 1 at stderr and keep `sys.stdout` on the real standard output: native
+    libraries write there (gloo reports every connection), which would land inside the answers."""
+    sys.stdout.flush()
+    stdout = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = io.TextIOWrapper(io.FileIO(stdout, "w"), encoding=sys.stdout.encoding, errors=sys.stdout.errors,
+                                  line_buffering=True)
 
 
 class Console:
@@ -83,6 +103,22 @@ class Console:
         if undecodable:
             raise UsageError("standard input is not UTF-8 text")
         return line
+
+    def read_all(self) -> str:
+        """All of standard input (process 0's, shared), which must be UTF-8 text."""
+        text, undecodable = None, False
+        if self.leader:
+            try:
+                text = sys.stdin.read()
+            except UnicodeDecodeError:
+                undecodable = True
+            else:  # surrogate-escaped bytes (a C locale's stdin) are no text either
+                undecodable = not _is_text(text)
+            text = None if undecodable else text
+        text = self.share(text)
+        if text is None:
+            raise UsageError("standard input is not UTF-8 text")
+        return text
 
     def write(self, text: str) -> None:
         if self.leader:

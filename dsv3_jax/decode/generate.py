@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -143,15 +144,35 @@ def decode_step(params, cache, state: DecodeState, *, step, kv_len: int, top_k: 
     return state._replace(token=token, position=position, finished=finished, remaining=remaining, key=key), cache
 
 
+def _token_lists(prompt_tokens) -> list:
+    """The prompts as a list of rows: a list (or tuple) of token lists or 1-D arrays, or a 2-D
+    integer array (batch, seq) as `Model.forward` takes; anything else is a one-line error."""
+    if hasattr(prompt_tokens, "ndim"):  # a numpy or jax array
+        array = np.asarray(prompt_tokens)
+        if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"prompt_tokens as an array must be 2-D integer (batch, seq), got {array.dtype} "
+                             f"{array.shape}")
+        return array.tolist()
+    if not isinstance(prompt_tokens, (list, tuple)) or not prompt_tokens:
+        raise ValueError("prompt_tokens must be a non-empty list of token lists (one per prompt)")
+    for i, prompt in enumerate(prompt_tokens):
+        if isinstance(prompt, (str, bytes)) or not (isinstance(prompt, (list, tuple)) or hasattr(prompt, "ndim")):
+            raise ValueError(f"prompt_tokens must be a list of token lists (one per prompt), but prompt_tokens[{i}] "
+                             f"is {type(prompt).__name__} {prompt!r:.30}: one prompt is [[id, id, ...]]")
+    return list(prompt_tokens)
+
+
 def _check_prompts(model, prompt_tokens) -> list[list[int]]:
     args = model.args
-    if not isinstance(prompt_tokens, (list, tuple)) or not prompt_tokens:
-        raise ValueError("prompt_tokens must be a non-empty list of token-id lists")
+    prompt_tokens = _token_lists(prompt_tokens)
     if len(prompt_tokens) > args.max_batch_size:
         raise ValueError(f"{len(prompt_tokens)} prompts exceed max_batch_size={args.max_batch_size}")
     prompts = []
     for i, prompt in enumerate(prompt_tokens):
-        ids = [int(t) for t in prompt]
+        values = np.asarray(prompt).reshape(-1) if hasattr(prompt, "ndim") else prompt
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in values):
+            raise ValueError(f"prompt {i} holds values that are not integer token ids")
+        ids = [int(t) for t in values]
         if not ids:
             raise ValueError(f"prompt {i} is empty")
         if len(ids) > args.max_seq_len:
@@ -165,8 +186,8 @@ def _check_prompts(model, prompt_tokens) -> list[list[int]]:
 def _check_options(model, max_new_tokens, temperature, top_k, top_p, seed) -> None:
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.number)) or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
     if not isinstance(top_k, int) or not 0 <= top_k <= model.args.vocab_size:
         raise ValueError(f"top_k must be an int in [0, {model.args.vocab_size}] (0: off), got {top_k!r}")
     if not 0 < top_p <= 1:
@@ -240,6 +261,21 @@ def emitted(state: DecodeState | SpecState) -> list[tuple[list[int], int]]:
     return [([token], 0) for token in np.asarray(state.token).tolist()]
 
 
+class MaxSeqLenWarning(UserWarning):
+    """Some completion stopped because its prompt and completion filled max_seq_len, before eos and
+    before max_new_tokens. `generate` warns with it; `warnings.simplefilter("ignore",
+    MaxSeqLenWarning)` silences it (the chat CLI does, and says the same in its own words)."""
+
+
+def warn_if_cut(plan: Plan, completions: list[list[int]], max_new_tokens: int, max_seq_len: int) -> None:
+    """Warn (MaxSeqLenWarning) naming the rows whose completion max_seq_len cut short."""
+    cut = [row for row, (budget, completion) in enumerate(zip(plan.budgets, completions))
+           if budget < max_new_tokens and len(completion) == budget]
+    if cut:
+        warnings.warn(f"the completions of prompts {cut} stopped at max_seq_len={max_seq_len} (prompt plus "
+                      f"completion), before max_new_tokens={max_new_tokens}", MaxSeqLenWarning, stacklevel=3)
+
+
 @dataclasses.dataclass
 class Timing:
     """Where a `generate` call spent its time: the prefill (prompt tokens in, first tokens out) and
@@ -307,6 +343,8 @@ def generate(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int,
     dispatched before the newest tokens are fetched, so the one small transfer per step overlaps
     the device's work. `timing`, when given, receives the prefill's and the decode steps' tokens
     and seconds (it waits for the prefill to finish: compile before timing, e.g. with `warm_up`).
+    A completion that max_seq_len cut short (prompt plus completion reached it before eos and
+    max_new_tokens) is named in a `MaxSeqLenWarning`.
 
     mtp: decode speculatively with the MTP module's one-token drafts (same outputs when greedy, the
     same distribution when sampling). `stats` (a dict) then receives "drafts" (drafts verified for
@@ -337,6 +375,7 @@ def generate(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int,
         timing.decode_tokens, timing.decode_seconds = progress.decoded, time.perf_counter() - prefilled
         if mtp:
             timing.acceptance = progress.acceptance
+    warn_if_cut(plan, progress.completions, max_new_tokens, model.args.max_seq_len)
     return progress.completions
 
 
