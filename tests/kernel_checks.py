@@ -25,17 +25,22 @@ KERNEL_MODULES = ("quantize", "dequantize", "gemm", "grouped", "mla", "router")
 
 
 @contextlib.contextmanager
-def kernel_twins(*modules: str):
+def kernel_twins(*modules: str, everywhere: bool = False):
     """Within: every Pallas kernel that would run in interpret mode (no GPU) computes its jnp twin
     instead, the wrappers' own fallback for device-varying shard_map operands, taken everywhere.
     For tests whose subject is the model's numbers, not the kernels' (which the kernel tests prove
     equal to their twins: bit for bit, or within gemm_tolerance). Only what is traced within sees
     it: build the models there. `modules`: only the kernels of these pallas_kernels modules (default:
-    all of KERNEL_MODULES)."""
+    all of KERNEL_MODULES). everywhere=True: on a GPU too (the compiled kernels, the Mosaic grouped
+    GEMM included, give way to their twins: the XLA version of a model, an oracle for its kernels)."""
     with pytest.MonkeyPatch.context() as patch:
         for name in modules or KERNEL_MODULES:
             module = importlib.import_module(f"pallas_kernels.{name}")
-            patch.setattr(module, "interpret_in_shard_map", lambda interpret, *operands: interpret)
+            patch.setattr(module, "interpret_in_shard_map",
+                          (lambda interpret, *operands: True) if everywhere else
+                          (lambda interpret, *operands: interpret))
+            if everywhere and name == "grouped":
+                patch.setattr(module, "grouped_gemm_backend", lambda *args, **kwargs: "triton")
         yield
 
 
