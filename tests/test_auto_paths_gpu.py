@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import dsv3_jax
 from dsv3_jax.config import ModelArgs
-from dsv3_jax.moe import FUSED_MAX_ROWS, SLOTS_MAX, Experts, auto_moe_impl
+from dsv3_jax.model.moe import FUSED_MAX_ROWS, SLOTS_MAX, Experts, auto_moe_impl
 from dsv3_jax.options import RunOptions, StepContext
 from dsv3_jax.sharding import make_mesh
 from kernel_checks import kernel_twins
