@@ -1,5 +1,6 @@
 """Test set-up: four forced host devices (so 1-vs-N device parity runs on a CPU), float64 oracles,
-and the `gpu` marker, whose tests are skipped unless a GPU is present."""
+the seeded `rng` fixture, and the `gpu` and `gpu_slow` markers, whose tests are skipped unless a GPU
+is present."""
 import os
 import zlib
 
@@ -34,9 +35,9 @@ def _has_gpu() -> bool:
 def pytest_collection_modifyitems(config, items):
     if _has_gpu():
         return
-    skip = pytest.mark.skip(reason="needs a GPU (run on the device with `pytest -m gpu`)")
+    skip = pytest.mark.skip(reason="needs a GPU (run on the device with `pytest -m gpu` or `-m gpu_slow`)")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords or "gpu_slow" in item.keywords:
             item.add_marker(skip)
 
 
