@@ -1,12 +1,23 @@
 """Test set-up: four forced host devices (so 1-vs-N device parity runs on a CPU), float64 oracles,
-and the `gpu` marker, whose tests are skipped unless a GPU is present."""
+a compilation cache for the session, the seeded `rng` fixture, and the `gpu` and `gpu_slow`
+markers, whose tests are skipped unless a GPU is present."""
 import os
+import shutil
+import tempfile
 import zlib
 
 # Four host devices for 1-vs-N parity; backend optimisation off halves XLA:CPU compile time (tests only).
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One compilation cache for the session, new and empty each run, shared with the subprocesses (the
+# CLI and tools compile the same tiny models' steps run after run): a program compiled once, keyed
+# by its HLO and the compiler's options, is not compiled again. Removed when the session ends.
+SESSION_COMPILE_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    SESSION_COMPILE_CACHE = tempfile.mkdtemp(prefix="dsv3-jax-test-compile-cache-")
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=SESSION_COMPILE_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 from pathlib import Path
 
@@ -31,12 +42,17 @@ def _has_gpu() -> bool:
         return False
 
 
+def pytest_sessionfinish(session, exitstatus):
+    if SESSION_COMPILE_CACHE is not None:
+        shutil.rmtree(SESSION_COMPILE_CACHE, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_gpu():
         return
-    skip = pytest.mark.skip(reason="needs a GPU (run on the device with `pytest -m gpu`)")
+    skip = pytest.mark.skip(reason="needs a GPU (run on the device with `pytest -m gpu` or `-m gpu_slow`)")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords or "gpu_slow" in item.keywords:
             item.add_marker(skip)
 
 

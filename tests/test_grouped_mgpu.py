@@ -231,7 +231,7 @@ def test_v2_lite_prefill_on_gpu(n, k):
     _check_rows(grouped_gemm(x, w, group_sizes, backend="mosaic", mosaic_tiles=ws), x, w, sizes)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_slow  # V3's whole expert stacks (up to 15 GB)
 def test_v3_expert_shape_on_gpu():
     """V3's w1 shape (256 experts of (2048, 7168), here bf16) at 4,096 routed rows, with rows past
     the groups, a layer of a 2-layer stack read in place (a 15 GB stack: 64-bit addressing), row_scale."""
@@ -241,7 +241,7 @@ def test_v3_expert_shape_on_gpu():
     _check_rows(got, x, w[1], sizes, row_scale)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_slow  # V3's whole expert stacks (up to 15 GB)
 def test_v3_fp8_expert_shape_on_gpu():
     """V3's w2 shape (256 experts of (7168, 2048)) with fp8 weights at 4,096 rows on the Mosaic
     kernel (backend="mosaic": "auto" keeps fp8 on Triton for now), against dequantised rows."""

@@ -15,14 +15,16 @@ from kernel_checks import (AQ, GM, activations, check_act_quant, check_fp8_gemm,
 from pallas_kernels import GemmConfig, act_quant, fp8_gemm
 from script_modules import load_script
 
-pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # each test: gpu or gpu_slow
 
 
+@pytest.mark.gpu
 def test_runs_compiled():
     assert not AQ.use_interpret(), "expected a GPU backend"
 
 
 # ---------------------------------------------------------------- act_quant
+@pytest.mark.gpu
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
 @pytest.mark.parametrize("shape,dtype", [
     ((4096, 7168), jnp.bfloat16),
@@ -34,12 +36,14 @@ def test_act_quant(rng, shape, dtype, scale_fmt):
     check_act_quant(activations(rng, shape, dtype), scale_fmt)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile", [(8, 8, 4), (32, 8, 8), (4, 8, 4), (16, 4, 4), (8, 4, 2), (64, 1, 4), (2, 8, 2)])
 def test_act_quant_bench_tiles(rng, tile):
     check_act_quant(activations(rng, (300, 7168)), None, tile=tile, oracle_numpy=False)
 
 
 # ---------------------------------------------------------------- weight_dequant
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,n,out_dtype", [(7168, 2112, jnp.bfloat16), (200, 300, jnp.bfloat16),
                                            (1, 130, jnp.float32), (4096, 7168, jnp.float32)])
 def test_weight_dequant(rng, m, n, out_dtype):
@@ -47,6 +51,7 @@ def test_weight_dequant(rng, m, n, out_dtype):
     check_weight_dequant(w, s, out_dtype)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile", [(32, 512, 4), (128, 256, 8), (64, 128, 4), (128, 128, 4),
                                   (32, 1024, 8), (128, 512, 8), (16, 1024, 4)])
 def test_weight_dequant_bench_tiles(rng, tile):
@@ -55,6 +60,7 @@ def test_weight_dequant_bench_tiles(rng, tile):
 
 
 # ---------------------------------------------------------------- fp8_gemm
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, 37, 64, 200, 513])
 def test_fp8_gemm_default_vs_numpy(rng, m):
     a, a_s, b, b_s = gemm_operands(rng, (m,), 2112, 1536)  # N = 16.5 blocks: ragged
@@ -62,6 +68,7 @@ def test_fp8_gemm_default_vs_numpy(rng, m):
     check_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.bfloat16)
 
 
+@pytest.mark.gpu
 def test_fp8_gemm_leading_dims(rng):
     a, a_s, b, b_s = gemm_operands(rng, (2, 3, 5), 640, 1024)
     check_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32)
@@ -76,6 +83,7 @@ def _bench_configs():
     return out
 
 
+@pytest.mark.gpu_slow  # a sweep
 @pytest.mark.parametrize("m,config", _bench_configs() if jax.default_backend() == "gpu" else [])
 def test_fp8_gemm_bench_configs(rng, m, config):
     """Every tiling the benchmark times computes the right thing (at a ragged N)."""
@@ -93,6 +101,7 @@ def _gpu_oracle(a, a_s, b, b_s):
     return jnp.dot(ad, bd.T, precision=jax.lax.Precision.HIGHEST)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(4096, 7168, 2048), (4096, 2048, 7168), (1, 7168, 18432), (64, 7168, 18432)])
 def test_fp8_gemm_realistic(m, n, k):
     key = jax.random.PRNGKey(m + n + k)
@@ -106,6 +115,7 @@ def test_fp8_gemm_realistic(m, n, k):
 
 
 # ---------------------------------------------------------------- jit / shard_map
+@pytest.mark.gpu
 def test_shard_map_compiled(rng):
     mesh = jax.make_mesh((1,), ("mp",), devices=jax.devices()[:1])
     x = activations(rng, (64, 1024), special_blocks=False)

@@ -2,6 +2,7 @@
 independent float64 numpy statement of the MTP module's math (DeepSeek-V3 technical report §2.2) (both loaded from an HF directory), greedy speculative decoding identical to plain decoding (1 and 4 devices, unequal
 prompts, budgets cut by max_seq_len), and the sampled distribution equal to the main model's."""
 import json
+import warnings
 from pathlib import Path
 
 import jax
@@ -264,10 +265,17 @@ def test_greedy_output_is_identical_with_mtp(spec_model):
              ([20, 11, 7, 47], 30, 5)]  # eos; the last prompt one short of max_seq_len (a budget of 1)
     for lengths, new, eos in cases:
         prompts = [rng.integers(0, 8, n).tolist() for n in lengths]
-        plain = spec_model.generate(prompts, new, eos_id=eos, temperature=0.0)
         stats = {}
-        fast = spec_model.generate(prompts, new, eos_id=eos, temperature=0.0, mtp=True, stats=stats)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", dsv3_jax.MaxSeqLenWarning)
+            plain = spec_model.generate(prompts, new, eos_id=eos, temperature=0.0)
+            fast = spec_model.generate(prompts, new, eos_id=eos, temperature=0.0, mtp=True, stats=stats)
         assert fast == plain, (lengths, new)
+        cut = [str(w.message) for w in caught if w.category is dsv3_jax.MaxSeqLenWarning]
+        # a MaxSeqLenWarning from each call, naming the same rows, where max_seq_len cut one (case 2; case 1:
+        # none; case 3: where eos came first, none)
+        assert len(cut) in (0, 2) and len(set(cut)) <= 1, cut
+        assert eos != -1 or len(cut) == (2 if max(lengths) + new > spec_model.args.max_seq_len else 0), cut
         total["drafts"] += stats["drafts"]
         total["accepted"] += stats["accepted"]
     assert 0 < total["accepted"] < total["drafts"]  # both branches ran
