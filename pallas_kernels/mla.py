@@ -20,6 +20,9 @@ from ._common import cdiv, fail, interpret_in_shard_map, match_vma, num_sms, res
 
 _FN = "mla_decode"
 _NEG = -1e30  # finite "minus infinity": an empty split must not produce inf - inf
+# Default split-K: enough programs for this many per SM. One 4-warp program per SM keeps too few loads in
+# flight to cover HBM latency over a long cache; two stream faster (NOTES, "thresholds").
+PROGRAMS_PER_SM = 2
 
 
 def mla_decode_ref(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_pe, *, scale: float):
@@ -59,7 +62,7 @@ def mla_decode(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_p
     interpret = use_interpret()
     if interpret_in_shard_map(interpret, q_latent, kv_cache):
         return mla_decode_ref(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_pe, scale=scale)
-    splits = splits or max(1, min(cdiv(kv_len, block_t), cdiv(num_sms(), batch * cdiv(heads, block_h))))
+    splits = splits or default_splits(batch, heads, kv_len, block_t, block_h)
     chunk = cdiv(cdiv(kv_len, splits), block_t) * block_t
     lengths = jnp.minimum(lengths.astype(jnp.int32), kv_len)
     meta = jnp.concatenate([jnp.asarray(layer, jnp.int32)[None], lengths])
@@ -87,6 +90,12 @@ def mla_decode(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_p
     total = (l * weight).sum(axis=1) + own_weight
     out = (acc * weight[..., None]).sum(axis=1) + own_weight[..., None] * new_kv.astype(f32)[:, None, :]
     return out / total[..., None]
+
+
+def default_splits(batch: int, heads: int, kv_len: int, block_t: int, block_h: int) -> int:
+    """Split-K count: PROGRAMS_PER_SM programs an SM over the grid, no split shorter than one block."""
+    programs = batch * cdiv(heads, block_h)
+    return max(1, min(cdiv(kv_len, block_t), cdiv(PROGRAMS_PER_SM * num_sms(), programs)))
 
 
 def _kernel(meta_ref, q_ref, qpe_ref, kv_ref, pe_ref, acc_ref, m_ref, l_ref, *, heads, chunk, block_t, block_h,

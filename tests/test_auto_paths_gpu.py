@@ -3,9 +3,11 @@
 moe_impl "auto" runs "slots", "fused" or the grouped kernel by the step's size, the grouped kernel on
 wgmma (Mosaic) past MOSAIC_MIN_ROWS rows with bf16 weights; gemm_impl "fp8" takes the Mosaic fp8 GEMM
 from MOSAIC_MIN_M rows (prefill), Triton below; fp8 weights under gemm_impl "bf16" go through the
-weight_dequant kernel; decode_attn "auto" runs the MLA decode kernel on single-token steps. Each step
-of a small V3-shaped model is compared with the same model whose Pallas kernels all give way to their
-jnp twins (`kernel_checks.kernel_twins(everywhere=True)`: the model's XLA version), and the test
+weight_dequant kernel; decode_attn "auto" runs the MLA decode kernel on single-token steps; prefill_attn
+"auto" runs the Mosaic flash-attention kernel on prefill chunks of FLASH_MIN_QUERIES queries or more.
+Each step of a small V3-shaped model is compared with the same model whose Pallas kernels all give way
+to their jnp twins (`kernel_checks.kernel_twins(everywhere=True)` and prefill_attn "jnp": the model's
+XLA version), and the test
 asserts which path each step takes (the dispatch functions, and the kernels in the lowered step).
 Also: a rank's routed experts on a 1-device mesh, with zero-row groups and assignments to a second,
 simulated rank's experts, against float64; and the router kernel against XLA routing in the model.
@@ -23,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import dsv3_jax
 from dsv3_jax.config import ModelArgs
+from dsv3_jax.model.attention import FLASH_MIN_QUERIES
 from dsv3_jax.model.moe import FUSED_MAX_ROWS, SLOTS_MAX, Experts, auto_moe_impl
 from dsv3_jax.options import RunOptions, StepContext
 from dsv3_jax.sharding import make_mesh
@@ -40,8 +43,8 @@ STEPS = [("prefill 2x300", 2, 300, 0), ("decode b=2", 2, 1, 300), ("prefill 8x16
 MOE_AUTO = ["kernel", "slots", "fused", "fused"]  # what moe_impl "auto" runs at each step (8 experts a token)
 # which backends' kernels each step lowers to, per (weights, gemm_impl): [(Mosaic, Triton) per step]
 KERNELS = {
-    ("bf16", "bf16"): [(True, False), (False, True), (False, True), (False, True)],  # Mosaic grouped GEMM
-    ("fp8", "bf16"): [(False, True)] * 4,  # weight_dequant, fp8 grouped kernels on Triton
+    ("bf16", "bf16"): [(True, False), (False, True), (False, True), (False, True)],  # Mosaic grouped GEMM, flash
+    ("fp8", "bf16"): [(True, True)] + [(False, True)] * 3,  # flash; weight_dequant, fp8 grouped kernels on Triton
     ("fp8", "fp8"): [(True, True), (False, True), (True, True), (False, True)],  # Mosaic fp8 GEMM from 128 rows
 }
 
@@ -107,6 +110,7 @@ def test_the_steps_take_the_paths_named():
     rows = [batch * seq for _, batch, seq, _ in STEPS]  # a dense projection's M: 600 (ragged), 2, 128, 8
     assert [fp8_gemm_path(m, args.q_lora_rank, args.dim) for m in rows] == ["mosaic", "triton", "mosaic", "triton"]
     assert rows[2] == MOSAIC_MIN_M and rows[0] % 128
+    assert [seq >= FLASH_MIN_QUERIES for _, _, seq, _ in STEPS] == [True, False, False, False]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +134,7 @@ def test_auto_paths_equal_the_xla_model(built, auto_runs, weights, gemm_impl):
     base = built(weights)
     got = auto_runs(weights, gemm_impl)
     with kernel_twins(everywhere=True):
-        want = run_steps(variant(base, gemm_impl=gemm_impl))
+        want = run_steps(variant(base, gemm_impl=gemm_impl, prefill_attn="jnp"))
     for (what, *_), (g, text), (w, twin_text), kernels in zip(STEPS, got, want, KERNELS[weights, gemm_impl],
                                                               strict=True):
         assert (MOSAIC in text, TRITON in text) == kernels, f"{what}: kernels in the step differ from {kernels}"
