@@ -21,8 +21,10 @@ from pallas_kernels import mla_decode
 HBM_BYTES_PER_S = 4.3e12
 
 
-def time_call(fn, repeats: int = 20) -> float:
-    jax.block_until_ready(fn())
+def time_call(fn, repeats: int = 200) -> float:
+    for _ in range(repeats // 4):  # warm-up long enough for the clocks to settle
+        out = fn()
+    jax.block_until_ready(out)
     start = time.perf_counter()
     for _ in range(repeats):
         out = fn()
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--splits", default="0,264,528,1056", help="0: the kernel's default")
     parser.add_argument("--block-t", default="64,128")
     parser.add_argument("--num-warps", default="4,8")
+    parser.add_argument("--num-stages", default="2")
     parser.add_argument("--out")
     opts = parser.parse_args()
     b, h, t = opts.batch, opts.heads, opts.context
@@ -52,18 +55,20 @@ def main() -> None:
     floor_s = b * t * (opts.rank + opts.rope) * 2 / HBM_BYTES_PER_S
     rows = []
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
-    for splits, block_t, warps in itertools.product(ints(opts.splits), ints(opts.block_t), ints(opts.num_warps)):
-        fn = jax.jit(lambda q, q_pe, kv, pe, lengths, s=splits, bt=block_t, w=warps: mla_decode(
+    settings = itertools.product(ints(opts.splits), ints(opts.block_t), ints(opts.num_warps), ints(opts.num_stages))
+    for splits, block_t, warps, stages in settings:
+        fn = jax.jit(lambda q, q_pe, kv, pe, lengths, s=splits, bt=block_t, w=warps, st=stages: mla_decode(
             q, q_pe, kv, pe, 0, lengths, q[:, 0], q_pe[:, 0], scale=0.1, kv_len=t, block_t=bt, splits=s or None,
-            num_warps=w))
+            num_warps=w, num_stages=st))
         try:
             seconds = time_call(lambda: fn(q, q_pe, kv, pe, lengths))
         except Exception as err:  # a setting the compiler refuses: report and go on
-            print(f"splits={splits} block_t={block_t} warps={warps}: {type(err).__name__}: {str(err)[:120]}")
+            print(f"splits={splits} block_t={block_t} warps={warps} stages={stages}: "
+                  f"{type(err).__name__}: {str(err)[:120]}")
             continue
-        rows.append(dict(splits=splits, block_t=block_t, num_warps=warps, us=seconds * 1e6,
+        rows.append(dict(splits=splits, block_t=block_t, num_warps=warps, num_stages=stages, us=seconds * 1e6,
                          tb_s=floor_s * HBM_BYTES_PER_S / seconds / 1e12, pct_floor=100 * floor_s / seconds))
-        print(f"splits={splits or 'default'} block_t={block_t} warps={warps}: {seconds * 1e6:.1f} us "
+        print(f"splits={splits or 'default'} block_t={block_t} warps={warps} stages={stages}: {seconds * 1e6:.1f} us "
               f"({rows[-1]['tb_s']:.2f} TB/s, floor {floor_s * 1e6:.1f} us)", flush=True)
     if opts.out:
         with open(opts.out, "w") as f:

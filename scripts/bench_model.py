@@ -125,7 +125,7 @@ def bench_decode(model, batch: int, context: int, steps: int) -> dict:
     args = model.args
     prompt = rng.integers(0, args.vocab_size, (batch, context)).astype(np.int32)
     window = dsv3_jax.cache_window(context + 2 * steps + 1, args.max_seq_len)
-    zeros = np.zeros((batch,), np.int32)
+    zeros = jnp.zeros((batch,), jnp.int32)  # on the device, as generate() keeps them: no host argument a step
     greedy = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None])
     logits, model.cache = model.step(model.state, model.cache, prompt, zeros, zeros + context - 1, kv_len=window)
 
