@@ -382,3 +382,7 @@ def test_cli_rejects_bad_flags():
     result = subprocess.run([sys.executable, "-m", "dsv3_jax.serve", "--ckpt-path", "/nonexistent"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "does not exist" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "dsv3_jax.serve", "--tiny", "--mtp"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "holds no multi-token-prediction (MTP) layer" in lines[0]
