@@ -1,7 +1,7 @@
 """dsv3-serve over two CPU processes (2 host devices each, jax.distributed with gloo, one 4-device
-mesh), the demo model: process 0 serves HTTP and shares each iteration's plan,
+mesh), speculative (--mtp, the demo model): process 0 serves HTTP and shares each iteration's plan,
 process 1 only runs the steps. Concurrent greedy answers through process 0 equal `generate`'s on one
-process (what the single-process server answers, test_serve); SIGTERM to process 0 ends both
+process (what the single-process server answers with and without --mtp, test_serve_mtp); SIGTERM to process 0 ends both
 with status 0."""
 import asyncio
 import os
@@ -52,7 +52,7 @@ def test_two_processes_serve_like_one():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(name, None)
-    command = [sys.executable, "-m", "dsv3_jax.serve", "--port", str(port), "--max-seq-len", str(MAX_SEQ_LEN),
+    command = [sys.executable, "-m", "dsv3_jax.serve", "--mtp", "--port", str(port), "--max-seq-len", str(MAX_SEQ_LEN),
                "--max-batch-size", "4", "--min-window", str(MAX_SEQ_LEN), "--prefill-chunk", "64",
                "--compute-dtype", "float32", "--coordinator-address", address, "--num-processes", "2"]
     processes = [subprocess.Popen(command + ["--process-id", str(rank)], stdin=subprocess.DEVNULL,

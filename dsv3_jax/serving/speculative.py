@@ -85,7 +85,11 @@ def _verify(parts, state, cache, s: SpecRows, out, ints, floats, *, kv_len: int,
         else:
             new_draft, q = draft_tokens(model, y, temperature, draft_key, top_k, top_p, layout)
     count = jnp.where(active, jnp.minimum(advance, s.remaining[:batch]), 0)
-    put = functools.partial(_put, rows=rows, where=active)
+
+    def put(field, values):  # rows [0, batch): the active ones take their new values
+        mask = active.reshape((-1,) + (1,) * (values.ndim - 1))
+        return field.at[:batch].set(jnp.where(mask, values, field[:batch]))
+
     s = SpecRows(put(s.token, values=jnp.where(accept, second, first)), put(s.draft, values=new_draft),
                  s.draft_probs if q is None else put(s.draft_probs, values=q), put(s.position, values=position + advance),
                  put(s.remaining, values=s.remaining[:batch] - count))
@@ -146,7 +150,9 @@ class SpeculativeEngine(Engine):
         if not model.has_mtp:
             raise ValueError("speculative serving needs the model's MTP module: load it with mtp=True")
         super().__init__(model, **kwargs)
-        rows, vocab = self.rows, model.args.vocab_size
+        # one row more than the cache: a step of every row then still updates part of the state (an XLA:CPU
+        # compile of the full update crashes on meshes of several devices); the spare row is never read
+        rows, vocab = self.rows + 1, model.args.vocab_size
 
         def zeros(shape, dtype):
             return jax.device_put(np.zeros(shape, dtype), self.replicated)
@@ -180,6 +186,5 @@ class SpeculativeEngine(Engine):
     def results(self) -> jax.Array:
         return self.out
 
-    @staticmethod
-    def fetch(results: jax.Array) -> list[list[int]]:
-        return [[first, second][:count] for first, second, count in np.asarray(results).tolist()]
+    def fetch(self, results: jax.Array) -> list[list[int]]:
+        return [[first, second][:count] for first, second, count in np.asarray(results)[:self.rows].tolist()]
