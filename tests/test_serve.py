@@ -30,7 +30,6 @@ from dsv3_jax.decode.generate import generate  # noqa: E402
 from dsv3_jax.decode.sampling import distribution  # noqa: E402
 from dsv3_jax.serving.app import Limits, Service, make_app  # noqa: E402
 from dsv3_jax.serving.engine import Engine  # noqa: E402
-from dsv3_jax.serving.sampling import row_distribution  # noqa: E402
 from dsv3_jax.tokenizer import Tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,15 +172,40 @@ def test_seeded_sampling_does_not_depend_on_the_batch(server):
     assert alone[0] != alone[1]  # two seeds, two draws
 
 
-def test_row_distribution_matches_generate_distribution():
+def filtered64(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """float64 softmax(logits / T), top-k then top-p (the smallest most-likely set reaching top_p), renormalised."""
+    z = np.asarray(logits, np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros(len(p), bool)
+    keep[order[:top_k or len(p)]] = True
+    p = np.where(keep, p, 0) / p[keep].sum()
+    ordered = p[order]
+    out = np.zeros_like(p)
+    kept = order[(np.cumsum(ordered) - ordered) < top_p]
+    out[kept] = p[kept]
+    return out / out.sum()
+
+
+def test_per_row_distribution_equals_float64_filters():
+    """One batch, each row with its own temperature, top_k and top_p (as the server samples), against
+    float64 numpy; and the same rows with shared, static parameters (as `generate` samples)."""
     rng = np.random.default_rng(zlib.crc32(b"row_distribution"))
     logits = rng.normal(size=(4, 300)).astype(np.float32) * 3
-    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8), (0.5, 50, 0.6)]:
-        want = np.asarray(distribution(logits, np.float32(temperature), top_k=top_k, top_p=top_p))
-        got = np.asarray(row_distribution(logits, np.full(4, temperature, np.float32), np.full(4, top_k, np.int32),
-                                          np.full(4, top_p, np.float32)))
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
-        assert ((got > 0) == (want > 0)).all()
+    settings = [(1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8), (0.5, 50, 0.6)]
+    temperature, top_k, top_p = (np.array(column, dtype) for column, dtype in
+                                 zip(zip(*settings), (np.float32, np.int32, np.float32)))
+    got = np.asarray(distribution(logits, temperature, top_k=top_k, top_p=top_p), np.float64)
+    got /= got.sum(-1, keepdims=True)  # the top-p cut is left unnormalised (a draw does not need it)
+    for row, (t, k, p) in enumerate(settings):
+        want = filtered64(logits[row], t, k, p)
+        np.testing.assert_allclose(got[row], want, rtol=1e-4, atol=1e-7)
+        assert ((got[row] > 0) == (want > 0)).all()
+        assert (want > 0).sum() < 300 if k or p < 1 else (want > 0).all()  # the filters really cut
+        shared = np.asarray(distribution(logits[row:row + 1], np.float32(t), top_k=k, top_p=p), np.float64)[0]
+        shared /= shared.sum()
+        np.testing.assert_allclose(shared, want, rtol=1e-4, atol=1e-7)
 
 
 def raw(url, body, *, path="/v1/completions", headers=None):
@@ -358,3 +382,7 @@ def test_cli_rejects_bad_flags():
     result = subprocess.run([sys.executable, "-m", "dsv3_jax.serve", "--ckpt-path", "/nonexistent"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "does not exist" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "dsv3_jax.serve", "--tiny", "--mtp"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "holds no multi-token-prediction (MTP) layer" in lines[0]

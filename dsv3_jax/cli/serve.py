@@ -9,10 +9,15 @@ Serves POST /v1/completions and /v1/chat/completions (streamed with "stream": tr
 gets a cache row of its own (--max-batch-size rows, --max-seq-len tokens each), prompts are
 prefilled --prefill-chunk tokens at a time between decode steps, and a request waits in a queue
 of --max-queue when every row is taken (beyond it: 429). Checkpoints load as in `dsv3-chat`.
+--mtp decodes speculatively with the checkpoint's MTP layer. Several processes: start the same
+command once per process with --coordinator-address/--num-processes/--process-id (or the JAX_*
+variables, as `dsv3-chat`); process 0 serves HTTP and shares each scheduler iteration's plan with
+the others, which run the same steps on their part of the mesh and end when process 0 stops.
 """
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -23,8 +28,11 @@ from ..api import build
 from ..config import ModelArgs
 from ..options import add_flags, from_flags
 from ..serving.engine import Engine
+from ..serving.plan import PlanChannel, follow
 from ..serving.random_model import IdTokenizer
+from ..serving.speculative import SpeculativeEngine
 from .common import ArgumentParser, run_cli
+from .distributed import Console, check_same_settings, start_distributed
 
 DEFAULT_PORT = 8000
 
@@ -56,10 +64,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body")
     parser.add_argument("--num-devices", type=int, default=None, help="devices of the mesh (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="--random-config: the weights' seed")
+    parser.add_argument("--mtp", action="store_true", help="speculative decoding with the checkpoint's "
+                        "multi-token-prediction layer (one draft token per row and step; same outputs when greedy, "
+                        "the same distribution when sampling)")
+    parser.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
+    parser.add_argument("--num-processes", type=int, default=None, help="processes of a multi-process run")
+    parser.add_argument("--process-id", type=int, default=None,
+                        help="this process's index in [0, --num-processes); process 0 serves HTTP")
     # prompts prefilled 512 tokens a row per scheduler iteration: a long prompt delays the running rows'
     # next token by one short step at a time
     add_flags(parser, defaults={"prefill_chunk": 512})
-    parser.set_defaults(top_k=0, mtp=False)  # what chat's loader reads
+    parser.set_defaults(top_k=0)  # what chat's loader reads
     args = parser.parse_args(argv)
     for name in ("max_batch_size", "max_seq_len", "prefill_rows", "max_queue", "max_body_bytes"):
         if getattr(args, name) < 1:
@@ -93,8 +108,8 @@ def load(args: argparse.Namespace):
             raise ChatError(f"--random-config {args.random_config} is not a file")
         config = ModelArgs.from_file(args.random_config).replace(max_batch_size=args.max_batch_size,
                                                                 max_seq_len=args.max_seq_len)
-        model = build(config, options=from_flags(args), seed=args.seed,
-                               num_devices=args.num_devices or jax.device_count())
+        model = build(config, options=from_flags(args), seed=args.seed, mtp=args.mtp,
+                      num_devices=args.num_devices or jax.device_count())
         return model, IdTokenizer(config.vocab_size), args.served_model_name or random_name(args.random_config)
     check_paths_and_devices(args)
     model, tokenizer = load_model(args, batch=args.max_batch_size)
@@ -106,6 +121,12 @@ def random_name(config: Path) -> str:
     return "random-" + (config.parent.name if config.stem == "config" else config.stem)
 
 
+def make_engine(args: argparse.Namespace, model) -> Engine:
+    kind = SpeculativeEngine if args.mtp else Engine
+    return kind(model, chunk=model.options.prefill_chunk, prefill_rows=args.prefill_rows,
+                buckets=args.decode_buckets, min_window=args.min_window)
+
+
 def serve(argv: list[str] | None = None) -> None:
     # the HTTP stack is the `serve` extra: imported only to serve, so that --help and flag errors need none of it
     import uvicorn
@@ -113,14 +134,25 @@ def serve(argv: list[str] | None = None) -> None:
     from ..serving.app import Limits, Service, make_app
 
     args = parse_args(argv)
+    start_distributed(args)
+    console = Console()
+    check_same_settings(args, console)
     model, tokenizer, name = load(args)
-    engine = Engine(model, chunk=model.options.prefill_chunk, prefill_rows=args.prefill_rows,
-                    buckets=args.decode_buckets, min_window=args.min_window)
+    engine = make_engine(args, model)
+    channel = PlanChannel(engine.plan_codec, console.leader) if console.processes > 1 else None
+    if not console.leader:  # another process: the same steps on its part of the mesh, no port
+        follow(engine, channel)
+        return
     service = Service(model, tokenizer, engine, model_name=name, max_queue=args.max_queue,
-                      limits=Limits(max_body_bytes=args.max_body_bytes))
+                      limits=Limits(max_body_bytes=args.max_body_bytes), channel=channel)
     what = f"random weights from {args.random_config}" if args.random_config else banner(args)
+    spans = f" of {console.processes} processes" if console.processes > 1 else ""
     print(f"dsv3-serve: {what}; model name {name!r}; {args.max_batch_size} rows of {args.max_seq_len} tokens on "
-          f"{model.mesh.devices.size} device(s); http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+          f"{model.mesh.devices.size} device(s){spans}{'; MTP speculative decoding' if args.mtp else ''}; "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    # uvicorn shuts down gracefully on SIGTERM (the scheduler stops, the other processes with it) and then
+    # raises the signal again for the handler it found: a no-op, so that the run ends normally (status 0)
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(make_app(service), host=args.host, port=args.port, log_level="warning", access_log=False)
 
 

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..model.transformer import step_context
 from ..sharding import Layout
-from .sampling import distribution, draw
+from .sampling import distribution, draw, random_rows
 from .step import StepParts
 
 
@@ -57,8 +57,9 @@ def _normalized(probs: jax.Array) -> jax.Array:
     return probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
 
 
-def _draft(model, y: jax.Array, temperature, key, top_k: int, top_p: float, layout: Layout):
-    """(draft token, its distribution q) from the MTP module's normed outputs y (B, dim)."""
+def draft_tokens(model, y: jax.Array, temperature, key, top_k, top_p, layout: Layout):
+    """(draft token, its distribution q) from the MTP module's normed outputs y (B, dim); the
+    parameters and key one for all rows or one per row, as `sampling.distribution` and `draw` take them."""
     logits = model.logits(y, layout)
     q = _normalized(distribution(logits, temperature, top_k=top_k, top_p=top_p))
     token = jnp.where(temperature > 0, draw(q, key), jnp.argmax(logits, axis=-1).astype(jnp.int32))
@@ -90,7 +91,7 @@ def _prefill_chunk(parts: StepParts, state, cache, tokens, following, start, len
     next_tokens = jnp.concatenate([tokens[:, 1:], following[:, None].astype(tokens.dtype)], axis=1)
     next_tokens = next_tokens.at[rows, last].set(jnp.where(holds, first, next_tokens[rows, last]))
     y, cache = model.mtp_hidden(next_tokens, hidden, _context(parts, positions + 1, mtp_kv_len, 1), cache)
-    draft, q = _draft(model, y[rows, last], temperature, draft_key, top_k, top_p, layout)
+    draft, q = draft_tokens(model, y[rows, last], temperature, draft_key, top_k, top_p, layout)
     if carry is None:
         return (first, draft, q), cache
     keep = lambda new, old: jnp.where(holds.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
@@ -109,22 +110,28 @@ def start_speculating(carry, lengths, budgets, seed, temperature, eos_id) -> Spe
     return SpecState(first, draft, q, lengths, finished, remaining, key, temperature, eos_id, out)
 
 
-def _accept(s: SpecState, logits: jax.Array, keys, top_k: int, top_p: float):
-    """Step 2 of the module docstring: (accepted, the token at p + 1, the bonus token at p + 2)."""
-    accept_key, residual_key, bonus_key = keys
-    rows = jnp.arange(s.token.shape[0])
-    sampling = s.temperature > 0
+def accept_draft(logits: jax.Array, draft: jax.Array, draft_probs: jax.Array, temperature, keys, top_k, top_p,
+                 *, greedy: bool = False):
+    """Step 2 of the module docstring: (accepted, the token at p + 1, the bonus token at p + 2) per row,
+    from the main logits (B, 2, vocab) at p + 1 and p + 2 and the draft with its distribution q.
+    temperature, the filters and the three keys (accept, residual, bonus) are one for all rows or
+    one per row; greedy (static): every row has T == 0, so only the argmaxes are computed."""
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    p_now = _normalized(distribution(logits[:, 0], s.temperature, top_k=top_k, top_p=top_p))
-    p_next = distribution(logits[:, 1], s.temperature, top_k=top_k, top_p=top_p)
-    p_d, q_d = p_now[rows, s.draft], s.draft_probs[rows, s.draft]
-    accept_sampled = jax.random.uniform(accept_key, rows.shape) * q_d < p_d
-    residual = jnp.maximum(p_now - s.draft_probs, 0.0)
+    if greedy:
+        return argmax[:, 0] == draft, argmax[:, 0], argmax[:, 1]
+    accept_key, residual_key, bonus_key = keys
+    rows = jnp.arange(draft.shape[0])
+    sampling = temperature > 0
+    p_now = _normalized(distribution(logits[:, 0], temperature, top_k=top_k, top_p=top_p))
+    p_next = distribution(logits[:, 1], temperature, top_k=top_k, top_p=top_p)
+    p_d, q_d = p_now[rows, draft], draft_probs[rows, draft]
+    accept_sampled = random_rows(jax.random.uniform, accept_key, rows.shape) * q_d < p_d
+    residual = jnp.maximum(p_now - draft_probs, 0.0)
     residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_now)
-    accept = jnp.where(sampling, accept_sampled, argmax[:, 0] == s.draft)
+    accept = jnp.where(sampling, accept_sampled, argmax[:, 0] == draft)
     corrected = jnp.where(sampling, draw(residual, residual_key), argmax[:, 0])
     bonus = jnp.where(sampling, draw(p_next, bonus_key), argmax[:, 1])
-    return accept, jnp.where(accept, s.draft, corrected), bonus
+    return accept, jnp.where(accept, draft, corrected), bonus
 
 
 def _step(parts: StepParts, state, cache, s: SpecState, *, kv_len: int, top_k: int,
@@ -136,7 +143,8 @@ def _step(parts: StepParts, state, cache, s: SpecState, *, kv_len: int, top_k: i
     hidden, cache = model.hidden(jnp.stack([s.token, s.draft], axis=1), _context(parts, positions, kv_len), cache)
     logits = model.logits(hidden, layout)  # (B, 2, vocab): predictions for p + 1 and p + 2
     key, accept_key, residual_key, bonus_key, draft_key = jax.random.split(s.key, 5)
-    accept, first, second = _accept(s, logits, (accept_key, residual_key, bonus_key), top_k, top_p)
+    accept, first, second = accept_draft(logits, s.draft, s.draft_probs, s.temperature,
+                                         (accept_key, residual_key, bonus_key), top_k, top_p)
     active = ~s.finished
     count = jnp.where(accept & (first != s.eos_id), 2, 1)
     count = jnp.where(active, jnp.minimum(count, s.remaining), 0)
@@ -144,7 +152,7 @@ def _step(parts: StepParts, state, cache, s: SpecState, *, kv_len: int, top_k: i
     y, cache = model.mtp_hidden(jnp.stack([first, second], axis=1), hidden,
                                 _context(parts, positions + 1, kv_len, 1), cache)
     advance = jnp.where(accept, 2, 1)
-    draft, q = _draft(model, y[rows, advance - 1], s.temperature, draft_key, top_k, top_p, layout)
+    draft, q = draft_tokens(model, y[rows, advance - 1], s.temperature, draft_key, top_k, top_p, layout)
     remaining = s.remaining - count
     finished = s.finished | (active & ((first == s.eos_id) | ((count == 2) & (second == s.eos_id))
                                        | (remaining <= 0)))

@@ -71,9 +71,9 @@ class Service:
     """The model, tokenizer and scheduler behind the app, and the bridge from the scheduler's thread."""
 
     def __init__(self, model, tokenizer, engine, *, model_name: str, max_queue: int = 256,
-                 limits: Limits = Limits()):
+                 limits: Limits = Limits(), channel=None):
         self.model, self.tokenizer, self.model_name, self.limits = model, tokenizer, model_name, limits
-        self.scheduler = Scheduler(engine, tokenizer.eos_id, self._on_events, max_queue=max_queue)
+        self.scheduler = Scheduler(engine, tokenizer.eos_id, self._on_events, max_queue=max_queue, channel=channel)
         self.metrics = Metrics(self.scheduler)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.created = int(time.time())

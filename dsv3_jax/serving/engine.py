@@ -12,12 +12,13 @@ cache. Two jitted functions advance it (the cache donated to both, nothing read 
   `last_tokens`. Compiled once per attention window (it samples with every filter: a few rows'
   sort is nothing beside the chunk's forward pass).
 
-The host reads `last_tokens` once per scheduler iteration (an earlier array, while the device
-computes the next); that is the only transfer back.
+`run` takes one scheduler iteration's `StepPlan` (the decode step, then the prefill chunk). The
+host reads `results` (here `last_tokens`) once per scheduler iteration (an earlier array, while the
+device computes the next); that is the only transfer back. `speculative.SpeculativeEngine` runs the
+same plans with the MTP module's drafts.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -27,17 +28,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..model.cache import cache_window
+from .plan import DecodeRow, PlanCodec, PrefillRow, RowParams, StepPlan
 from .sampling import FILTER, batch_mode, sample_rows
-
-
-@dataclasses.dataclass(frozen=True)
-class RowParams:
-    """A request's sampling parameters, as the steps take them."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
 
 
 def _pack(params: list[RowParams], positions, active) -> tuple[np.ndarray, np.ndarray]:
@@ -96,12 +88,17 @@ class Engine:
         if self.buckets[-1] != self.rows or list(self.buckets) != sorted(set(self.buckets)):
             raise ValueError(f"decode buckets {self.buckets} must ascend to max_batch_size={self.rows}")
         # placed as the steps return it, so that the first step's output does not compile a second variant
-        replicated = NamedSharding(model.mesh, P())
+        self.replicated = replicated = NamedSharding(model.mesh, P())
         self.last_tokens = jax.device_put(np.zeros((self.rows,), np.int32), replicated)
         self._decode = jax.jit(functools.partial(_decode, model.step, replicated), static_argnames=("kv_len", "mode"),
                                donate_argnums=(1,))
         self._prefill = jax.jit(functools.partial(_prefill, model.step, replicated),
                                 static_argnames=("kv_len", "mode"), donate_argnums=(1,))
+
+    @property
+    def plan_codec(self) -> PlanCodec:
+        """How this engine's plans travel between processes."""
+        return PlanCodec(self.rows, self.prefill_rows, self.chunk)
 
     def window(self, end: int) -> int:
         """The attention window of a step whose rows end before position `end`."""
@@ -110,48 +107,68 @@ class Engine:
     def bucket(self, rows_needed: int) -> int:
         return next(b for b in self.buckets if b >= rows_needed)
 
-    def decode(self, rows: list[int], positions: list[int], params: list[RowParams]) -> None:
-        """Dispatch one decode step for `rows` (each at its position, with its parameters)."""
-        batch = self.bucket(max(rows) + 1)
-        # parked rows feed the cache's last position, which no request reads (prompt + max_tokens <=
-        # max_seq_len: its tokens are fed at positions < max_seq_len - 1); in bounds for the decode kernel
+    def run(self, plan: StepPlan) -> None:
+        """Dispatch the plan's steps: the decode step first, then the prefill chunk."""
+        if plan.decode:
+            self.decode(plan.decode)
+        if plan.prefill:
+            self.prefill(plan.prefill)
+
+    def decode_arrays(self, rows: tuple[DecodeRow, ...]) -> tuple[int, np.ndarray, np.ndarray, str]:
+        """(bucket, ints, floats, mode) of a decode step for `rows`: the rows of the bucket that do not
+        decode are parked at the cache's last position, which no request reads (prompt + max_tokens <=
+        max_seq_len: a request's tokens are fed at positions < max_seq_len - 1; the speculative step's
+        draft may sit there, written by the pass that reads it); in bounds for the decode kernel."""
+        batch = self.bucket(max(d.row for d in rows) + 1)
         row_positions = np.full(batch, self.max_seq_len - 1, np.int64)
         active = np.zeros(batch, np.int64)
         row_params = [RowParams()] * batch
-        for row, position, p in zip(rows, positions, params):
-            row_positions[row], active[row], row_params[row] = position, 1, p
+        for d in rows:
+            row_positions[d.row], active[d.row], row_params[d.row] = d.position, 1, d.params
         ints, floats = _pack(row_params, row_positions, active)
-        mode = batch_mode(*zip(*[(p.temperature, p.top_k, p.top_p) for p in params]))
+        return batch, ints, floats, batch_mode(*zip(*[(d.params.temperature, d.params.top_k, d.params.top_p)
+                                                      for d in rows]))
+
+    def decode(self, rows: tuple[DecodeRow, ...]) -> None:
+        """Dispatch one decode step for `rows` (each at its position, with its parameters)."""
+        _, ints, floats, mode = self.decode_arrays(rows)
         model = self.model
         self.last_tokens, model.cache = self._decode(model.state, model.cache, self.last_tokens, ints, floats,
-                                                     kv_len=self.window(max(positions) + 1), mode=mode)
+                                                     kv_len=self.window(max(d.position for d in rows) + 1), mode=mode)
 
-    def prefill(self, rows: list[int], prompts: list[list[int]], starts: list[int],
-                params: list[RowParams]) -> list[bool]:
-        """Dispatch the chunks prompt[start:start + chunk] into `rows`; which prompts it finishes."""
+    def prefill_arrays(self, rows: tuple[PrefillRow, ...], extra_end: int = 0) -> dict:
+        """The arrays of a prefill step for `rows` (padded to `prefill_rows`), and its window `kv_len`
+        (covering the chunks' ends, plus `extra_end` positions)."""
         count, chunk = self.prefill_rows, self.chunk
         tokens = np.zeros((count, chunk), np.int32)
         row_index = np.full(count, self.rows, np.int32)
-        row_starts = np.zeros(count, np.int32)
-        last_index = np.zeros(count, np.int32)
+        row_starts, last_index, following, budgets = (np.zeros(count, np.int32) for _ in range(4))
         finishing = np.zeros(count, np.int64)
-        ends = []
-        for i, (row, prompt, start) in enumerate(zip(rows, prompts, starts)):
-            piece = prompt[start:start + chunk]
-            tokens[i, :len(piece)] = piece
-            row_index[i], row_starts[i], last_index[i] = row, start, len(piece) - 1
-            finishing[i] = start + len(piece) == len(prompt)
-            ends.append(start + len(piece))
-        kv_len = self.window(max(ends))
+        for i, p in enumerate(rows):
+            tokens[i, :len(p.tokens)] = p.tokens
+            row_index[i], row_starts[i], last_index[i] = p.row, p.start, len(p.tokens) - 1
+            following[i], finishing[i], budgets[i] = p.following, p.finishing, p.budget
+        kv_len = self.window(max(p.start + len(p.tokens) for p in rows) + extra_end)
         row_starts[len(rows):] = kv_len  # padding rows: every position past the window
-        row_params = list(params) + [RowParams()] * (count - len(rows))
+        row_params = [p.params for p in rows] + [RowParams()] * (count - len(rows))
         ints, floats = _pack(row_params, row_starts + last_index, finishing)
+        return dict(chunk=tokens, rows=row_index, starts=row_starts, last_index=last_index, following=following,
+                    budgets=budgets, ints=ints, floats=floats, kv_len=kv_len)
+
+    def prefill(self, rows: tuple[PrefillRow, ...]) -> None:
+        """Dispatch the rows' prompt chunks; a row whose prompt ends in its chunk gets its first token."""
+        a = self.prefill_arrays(rows)
         model = self.model
-        self.last_tokens, model.cache = self._prefill(model.state, model.cache, self.last_tokens, tokens, row_index,
-                                                      row_starts, last_index, ints, floats, kv_len=kv_len, mode=FILTER)
-        return [bool(f) for f in finishing[:len(rows)]]
+        self.last_tokens, model.cache = self._prefill(model.state, model.cache, self.last_tokens, a["chunk"],
+                                                      a["rows"], a["starts"], a["last_index"], a["ints"],
+                                                      a["floats"], kv_len=a["kv_len"], mode=FILTER)
+
+    @property
+    def results(self) -> jax.Array:
+        """What the host fetches after this iteration's steps (`fetch`)."""
+        return self.last_tokens
 
     @staticmethod
-    def fetch(last_tokens: jax.Array) -> np.ndarray:
-        """A `last_tokens` array on the host (waits for the steps that made it)."""
-        return np.asarray(last_tokens)
+    def fetch(results: jax.Array) -> list[list[int]]:
+        """Per cache row, the tokens its latest step emitted (waits for the steps that made `results`)."""
+        return [[token] for token in np.asarray(results).tolist()]

@@ -10,7 +10,7 @@ import json
 import time
 import uuid
 
-from .engine import RowParams
+from .plan import RowParams
 
 MAX_STOPS = 16
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "functions", "logit_bias",

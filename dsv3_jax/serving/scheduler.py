@@ -1,12 +1,15 @@
 """Continuous batching: a thread that owns the cache's rows and steps every running request together.
 
 Each iteration (1) takes the new requests and drops the cancelled ones (their rows are freed at
-once), (2) admits waiting requests into free rows, lowest first, (3) dispatches one decode step for
-every row that is decoding, then the next prompt chunk of up to `Engine.prefill_rows` rows that are
-prefilling, and (4) reads the tokens of the *previous* iteration's steps (the one host sync), while
-the device runs this iteration's. A row whose request ended at eos thus runs one extra step whose
-token is dropped; a request is never stepped past its `max_tokens`. Tokens go to the requests'
-`deliver` callbacks, batched once per iteration (`on_events`).
+once), (2) admits waiting requests into free rows, lowest first, (3) runs a `StepPlan`: one decode
+step for every row that is decoding, then the next prompt chunk of up to `Engine.prefill_rows` rows
+that are prefilling, and (4) reads the tokens of the *previous* iteration's steps (the one host
+sync), while the device runs this iteration's. A row whose request ended at eos thus runs one extra
+step whose tokens are dropped; a request never gets more than its `max_tokens` (a speculative step
+emits 1 or 2 tokens, capped on the device by the row's budget). Tokens go to the requests'
+`deliver` callbacks, batched once per iteration (`on_events`). With a `PlanChannel` (several
+processes), each plan is shared with the other processes before it runs, an IDLE command goes out
+every wait of an idle server, and STOP when the scheduler stops.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ import time
 import traceback
 from typing import Callable
 
-from .engine import Engine, RowParams
+from .engine import Engine
+from .plan import IDLE, STOP as STOP_COMMAND, DecodeRow, PlanChannel, PrefillRow, RowParams, StepPlan
 
 STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"
 
@@ -39,7 +43,7 @@ class Request:
     ignore_eos: bool = False  # run to max_tokens (benchmarks)
     row: int | None = None
     prefilled: int = 0  # prompt tokens dispatched
-    dispatched: int = 0  # generated tokens whose step has been dispatched
+    dispatched: int = 0  # generated tokens the dispatched steps are sure to emit (speculative ones: 1 or 2 each)
     tokens: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     cancelled: bool = False
@@ -59,8 +63,9 @@ class Scheduler:
     something; it must only hand the events over (e.g. loop.call_soon_threadsafe)."""
 
     def __init__(self, engine: Engine, eos_id: int | None, on_events: Callable[[list[Event]], None], *,
-                 max_queue: int = 256):
+                 max_queue: int = 256, channel: PlanChannel | None = None):
         self.engine, self.eos_id, self.on_events, self.max_queue = engine, eos_id, on_events, max_queue
+        self.channel = channel  # several processes: process 0's plans go to the others (`plan.follow`)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: collections.deque[Request] = collections.deque()
@@ -127,10 +132,14 @@ class Scheduler:
                 if not self._iterate():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+                    if self.channel is not None:
+                        self.channel.share(command=IDLE)  # the others wait in a collective: keep it short
         except Exception:  # noqa: BLE001 -- the device state is gone: fail every request, say why
             self.error = "the model step failed: " + traceback.format_exc().strip().splitlines()[-1]
             traceback.print_exc()
             self._fail_all()
+        if self.channel is not None:
+            self.channel.share(command=STOP_COMMAND)  # the other processes end their loops
 
     def _iterate(self) -> bool:
         """One iteration; False when there was nothing to do."""
@@ -139,19 +148,19 @@ class Scheduler:
         self._take_inbox()
         self._drop_cancelled(events)
         self._admit()
-        stepped = self._dispatch_decode() + self._dispatch_prefill()
-        tokens = self.engine.last_tokens if stepped else None
+        stepped = self._dispatch()
+        results = self.engine.results if stepped else None
         host = time.perf_counter() - started
         if self._pending is not None:
             self._collect(*self._pending, events)  # waits for the previous iteration's steps
-        self._pending = (tokens, stepped) if stepped else None
+        self._pending = (results, stepped) if stepped else None
         waited = time.perf_counter()
         if events:
             self.on_events(events)
-        if stepped:
+        if stepped is not None:
             self.iterations += 1
             self.timings.append((host + time.perf_counter() - waited, time.perf_counter() - started))
-        return bool(stepped or events or self._pending)
+        return bool(stepped is not None or events or self._pending)
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -170,44 +179,62 @@ class Scheduler:
             self._free.remove(request.row)
             self._running.append(request)
 
-    def _dispatch_decode(self) -> list[Request]:
-        rows = [r for r in self._running if r.decoding and r.dispatched < r.max_tokens]
-        if rows:
-            # the row feeds its newest token, generated token number `dispatched`, at its position
-            self.engine.decode([r.row for r in rows], [len(r.prompt) + r.dispatched - 1 for r in rows],
-                               [r.params for r in rows])
-            for request in rows:
-                request.dispatched += 1
-        return rows
+    def _plan(self) -> tuple[StepPlan, list[Request], list[Request]]:
+        """This iteration's plan: one decode step for every decoding row that may still emit a token
+        (`dispatched` counts the tokens its steps are sure to emit), the next chunk of the first
+        `prefill_rows` prefilling ones. Returns (plan, decoding requests, prefilling requests)."""
+        decoding = [r for r in self._running if r.decoding and r.dispatched < r.max_tokens]
+        prefilling = [r for r in self._running if not r.decoding][:self.engine.prefill_rows]
+        chunk = self.engine.chunk
+        # the row feeds its newest token, generated token number `dispatched`, at its position
+        decode = tuple(DecodeRow(r.row, len(r.prompt) + r.dispatched - 1, r.params) for r in decoding)
+        prefill = []
+        for r in prefilling:
+            end = min(len(r.prompt), r.prefilled + chunk)
+            prefill.append(PrefillRow(r.row, r.prefilled, tuple(r.prompt[r.prefilled:end]),
+                                      r.prompt[end] if end < len(r.prompt) else 0, end == len(r.prompt),
+                                      r.max_tokens, r.params))
+        return StepPlan(decode, tuple(prefill)), decoding, prefilling
 
-    def _dispatch_prefill(self) -> list[Request]:
-        rows = [r for r in self._running if not r.decoding][:self.engine.prefill_rows]
-        if not rows:
-            return []
-        finished = self.engine.prefill([r.row for r in rows], [r.prompt for r in rows], [r.prefilled for r in rows],
-                                       [r.params for r in rows])
-        for request in rows:
-            request.prefilled = min(len(request.prompt), request.prefilled + self.engine.chunk)
-        done = [r for r, d in zip(rows, finished) if d]
-        for request in done:
-            request.dispatched = 1
-        return done
+    def _dispatch(self) -> list[Request] | None:
+        """Run this iteration's plan; the requests whose tokens its results hold (None: nothing ran)."""
+        plan, decoding, prefilling = self._plan()
+        if not plan.decode and not plan.prefill:
+            return None
+        if self.channel is not None:
+            _, plan = self.channel.share(plan)  # every process runs the plan as it travelled
+        self.engine.run(plan)
+        for request in decoding:
+            request.dispatched += 1
+        done = []
+        for request, chunk in zip(prefilling, plan.prefill):
+            request.prefilled = chunk.start + len(chunk.tokens)
+            if chunk.finishing:
+                request.dispatched = 1
+                done.append(request)
+        return decoding + done
 
-    def _collect(self, tokens, requests: list[Request], events: list[Event]) -> None:
-        values = self.engine.fetch(tokens)
+    def _collect(self, results, requests: list[Request], events: list[Event]) -> None:
+        emitted = self.engine.fetch(results)
         for request in requests:
             if request.finish_reason is not None:
                 continue
-            token = int(values[request.row])
-            if token == self.eos_id and not request.ignore_eos:
-                self._finish(request, STOP)
-                events.append((request, [], STOP))
-                continue
-            request.tokens.append(token)
-            reason = LENGTH if len(request.tokens) >= request.max_tokens else None
+            tokens = emitted[request.row]
+            request.dispatched += len(tokens) - 1  # a speculative step may emit 2 tokens, or none past the budget
+            kept, reason = [], None
+            for token in tokens:
+                if token == self.eos_id and not request.ignore_eos:
+                    reason = STOP
+                    break
+                kept.append(token)
+                if len(request.tokens) + len(kept) >= request.max_tokens:
+                    reason = LENGTH
+                    break
+            request.tokens.extend(kept)
             if reason:
                 self._finish(request, reason)
-            events.append((request, [token], reason))
+            if kept or reason:
+                events.append((request, kept, reason))
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
