@@ -32,6 +32,36 @@ def chat(*flags, stdin: bytes | str = b"") -> subprocess.CompletedProcess:
     return run("-m", "dsv3_jax.chat", *flags, stdin=stdin)
 
 
+# Runs `dsv3_jax.chat`'s main once per argv of a JSON list in one process (one jax import for all):
+# each call's exit status (as `sys.exit(main())` gives it, an uncaught exception's traceback on
+# its stderr, as Python prints it) and what it printed, one JSON object per line.
+EACH_CHAT = """
+import contextlib, io, json, sys, traceback
+from dsv3_jax.chat import main
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    print(json.dumps([argv, code, out.getvalue(), err.getvalue()]))
+"""
+
+
+def chat_each(*argvs: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """What `chat(*argv)` gives for each argv that fails before anything reads standard input,
+    from one process."""
+    result = run("-c", EACH_CHAT, json.dumps([list(map(str, argv)) for argv in argvs]))
+    assert result.returncode == 0, result.stderr
+    calls = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [argv for argv, *_ in calls] == [list(map(str, argv)) for argv in argvs], result.stdout
+    return [subprocess.CompletedProcess(argv, code, out, err) for argv, code, out, err in calls]
+
+
 def one_error_line(result: subprocess.CompletedProcess, *expected: str) -> str:
     """The run failed with exactly one line on stderr (beside the chat's start-up line), containing `expected`."""
     assert result.returncode != 0, result.stderr
@@ -48,7 +78,7 @@ def tiny_copy(tmp_path: Path, name: str) -> Path:
 
 
 # ------------------------------------------------------------------ dsv3-chat: flags, before anything loads
-@pytest.mark.parametrize("flags, expected", [
+BAD_FLAGS = [
     (("--bogus",), "unrecognized arguments: --bogus"),
     (("--interactive", "--num-devices", "0"), "--num-devices must be at least 1"),
     (("--interactive", "--num-devices", "999"), "--num-devices 999 exceeds"),
@@ -61,9 +91,18 @@ def tiny_copy(tmp_path: Path, name: str) -> Path:
     (("--interactive", "--config", "/nonexistent.json"), "--config /nonexistent.json does not exist"),
     (("--input-file", "/nonexistent.txt"), "cannot read --input-file /nonexistent.txt: No such file"),
     (("--input-file", "/"), "cannot read --input-file /: Is a directory"),
-])
-def test_chat_rejects_bad_flags_in_one_line(flags, expected):
-    one_error_line(chat(*flags), expected)
+]
+
+
+def test_chat_rejects_bad_flags_in_one_line():
+    """Each of BAD_FLAGS, a main() call of its own in one process (the other tests here start the
+    CLI itself, `python -m dsv3_jax.chat`, once per case)."""
+    results = chat_each(*(flags for flags, _ in BAD_FLAGS))
+    for (flags, expected), result in zip(BAD_FLAGS, results, strict=True):
+        try:
+            one_error_line(result, expected)
+        except AssertionError as failure:
+            raise AssertionError(f"dsv3-chat {' '.join(flags)}: {failure}") from None
 
 
 def test_chat_names_the_hf_key_of_a_bad_config(tmp_path):
