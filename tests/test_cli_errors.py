@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import dsv3_jax
+from chat_calls import chat_each
 from dsv3_jax.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,36 +31,6 @@ def run(*argv, stdin: bytes | str = b"", timeout: float = 180, cwd: Path = ROOT,
 
 def chat(*flags, stdin: bytes | str = b"") -> subprocess.CompletedProcess:
     return run("-m", "dsv3_jax.chat", *flags, stdin=stdin)
-
-
-# Runs `dsv3_jax.chat`'s main once per argv of a JSON list in one process (one jax import for all):
-# each call's exit status (as `sys.exit(main())` gives it, an uncaught exception's traceback on
-# its stderr, as Python prints it) and what it printed, one JSON object per line.
-EACH_CHAT = """
-import contextlib, io, json, sys, traceback
-from dsv3_jax.chat import main
-for argv in json.loads(sys.argv[1]):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-    print(json.dumps([argv, code, out.getvalue(), err.getvalue()]))
-"""
-
-
-def chat_each(*argvs: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
-    """What `chat(*argv)` gives for each argv that fails before anything reads standard input,
-    from one process."""
-    result = run("-c", EACH_CHAT, json.dumps([list(map(str, argv)) for argv in argvs]))
-    assert result.returncode == 0, result.stderr
-    calls = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [argv for argv, *_ in calls] == [list(map(str, argv)) for argv in argvs], result.stdout
-    return [subprocess.CompletedProcess(argv, code, out, err) for argv, code, out, err in calls]
 
 
 def one_error_line(result: subprocess.CompletedProcess, *expected: str) -> str:
@@ -97,7 +68,7 @@ BAD_FLAGS = [
 def test_chat_rejects_bad_flags_in_one_line():
     """Each of BAD_FLAGS, a main() call of its own in one process (the other tests here start the
     CLI itself, `python -m dsv3_jax.chat`, once per case)."""
-    results = chat_each(*(flags for flags, _ in BAD_FLAGS))
+    results = chat_each(*((flags, b"") for flags, _ in BAD_FLAGS))
     for (flags, expected), result in zip(BAD_FLAGS, results, strict=True):
         try:
             one_error_line(result, expected)
