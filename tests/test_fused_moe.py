@@ -30,7 +30,9 @@ def tiny(weights: str) -> dsv3_jax.ModelArgs:
                               v_head_dim=32, max_batch_size=2, max_seq_len=32, dtype=weights)
 
 
-def prefill_and_decode(model, steps: int = 2) -> list[np.ndarray]:
+def prefill_and_decode(model, steps: int = 1) -> list[np.ndarray]:
+    """Logits of a prefill (rows at different starts) and of `steps` decode steps. One decode step
+    suffices: another would run the same compiled step, and the experts keep no state across steps."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model.args.vocab_size, (2, 9)).astype(np.int32)
     next_tokens = rng.integers(0, model.args.vocab_size, (steps, 2, 1)).astype(np.int32)
