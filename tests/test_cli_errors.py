@@ -91,7 +91,7 @@ def test_chat_asks_for_the_config_flag_of_a_per_rank_checkpoint(tmp_path):
 
 
 def test_chat_rejects_input_that_is_not_utf8():
-    one_error_line(chat("--interactive", "--num-devices", "1", stdin=b"\xff\xfe\x00binary\n"),
+    one_error_line(chat("--tiny", "--interactive", "--num-devices", "1", stdin=b"\xff\xfe\x00binary\n"),
                    "standard input is not UTF-8 text")
     one_error_line(chat("--complete", "--tiny", "--num-devices", "1", stdin=b"def f(x):\n    \xff\xfe\n"),
                    "dsv3-chat: error: standard input is not UTF-8 text")
