@@ -14,9 +14,9 @@ from kernel_checks import kernel_twins
 
 # The dense layers' fp8 kernels (act_quant, fp8_gemm, weight_dequant). Where the model's numbers are
 # the subject they run as their jnp twins (tests/test_kernels.py: equal to the kernels bit for bit,
-# or within 1e-6 relative); test_fp8_paths_are_exact runs the kernels themselves in Linear and the
-# grouped GEMM, and the absorb model of test_fp8_bf16_gemm_matches_hf_on_dequantised_weights
-# runs weight_dequant's kernel in a whole model.
+# or within 1e-6 relative); test_fp8_paths_are_exact runs act_quant's and fp8_gemm's kernels in
+# Linear, and the absorb model of test_fp8_bf16_gemm_matches_hf_on_dequantised_weights runs
+# weight_dequant's kernel in a whole model.
 DENSE_KERNELS = ("quantize", "dequantize", "gemm")
 
 # every matrix's input dimension a multiple of 128, as act_quant requires
