@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import dsv3_jax
+from chat_calls import chat_each
 from dsv3_jax.decode.generate import generate
 from dsv3_jax.checkpoint.safetensors import TensorIndex
 from dsv3_jax.tokenizer import Tokenizer
@@ -85,18 +86,17 @@ def test_batch_mode_prints_prompt_completion_pairs(tmp_path):
 
 
 def test_bad_invocations_fail_in_one_line(tmp_path):
-    result = run_chat("--max-new-tokens", "5")
-    assert result.returncode == 2 and "one of the arguments --input-file --interactive --complete is required" in result.stderr
-    result = run_chat("--interactive", "--ckpt-path", str(tmp_path / "nowhere"))
-    assert result.returncode == 1
-    assert result.stderr.strip().count("\n") == 0 and "dsv3-chat: error:" in result.stderr
     (tmp_path / "empty.txt").write_text("\n")
-    result = run_chat("--tiny", "--input-file", str(tmp_path / "empty.txt"))
-    assert result.returncode == 1 and "holds no prompts" in result.stderr
-    result = run_chat("--tiny", "--complete", "--ckpt-path", str(TINY))
-    assert result.returncode == 2 and "--tiny and --ckpt-path" in result.stderr
-    result = run_chat("--tiny", "--complete", stdin="\n")
-    assert result.returncode == 1 and "the prompt is empty" in result.stderr
+    usage, nowhere, empty, two, blank = chat_each(  # each fails before a model loads: one process for all
+        (("--max-new-tokens", "5"), ""), (("--interactive", "--ckpt-path", str(tmp_path / "nowhere")), ""),
+        (("--tiny", "--input-file", str(tmp_path / "empty.txt")), ""),
+        (("--tiny", "--complete", "--ckpt-path", str(TINY)), ""), (("--tiny", "--complete"), "\n"))
+    assert usage.returncode == 2 and "one of the arguments --input-file --interactive --complete is required" in usage.stderr
+    assert nowhere.returncode == 1
+    assert nowhere.stderr.strip().count("\n") == 0 and "dsv3-chat: error:" in nowhere.stderr
+    assert empty.returncode == 1 and "holds no prompts" in empty.stderr
+    assert two.returncode == 2 and "--tiny and --ckpt-path" in two.stderr
+    assert blank.returncode == 1 and "the prompt is empty" in blank.stderr
 
 
 def test_complete_with_the_demo_model_by_default():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import dsv3_jax
+from chat_calls import chat_each
 from dsv3_jax.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +49,7 @@ def tiny_copy(tmp_path: Path, name: str) -> Path:
 
 
 # ------------------------------------------------------------------ dsv3-chat: flags, before anything loads
-@pytest.mark.parametrize("flags, expected", [
+BAD_FLAGS = [
     (("--bogus",), "unrecognized arguments: --bogus"),
     (("--interactive", "--num-devices", "0"), "--num-devices must be at least 1"),
     (("--interactive", "--num-devices", "999"), "--num-devices 999 exceeds"),
@@ -61,9 +62,18 @@ def tiny_copy(tmp_path: Path, name: str) -> Path:
     (("--interactive", "--config", "/nonexistent.json"), "--config /nonexistent.json does not exist"),
     (("--input-file", "/nonexistent.txt"), "cannot read --input-file /nonexistent.txt: No such file"),
     (("--input-file", "/"), "cannot read --input-file /: Is a directory"),
-])
-def test_chat_rejects_bad_flags_in_one_line(flags, expected):
-    one_error_line(chat(*flags), expected)
+]
+
+
+def test_chat_rejects_bad_flags_in_one_line():
+    """Each of BAD_FLAGS, a main() call of its own in one process (the other tests here start the
+    CLI itself, `python -m dsv3_jax.chat`, once per case)."""
+    results = chat_each(*((flags, b"") for flags, _ in BAD_FLAGS))
+    for (flags, expected), result in zip(BAD_FLAGS, results, strict=True):
+        try:
+            one_error_line(result, expected)
+        except AssertionError as failure:
+            raise AssertionError(f"dsv3-chat {' '.join(flags)}: {failure}") from None
 
 
 def test_chat_names_the_hf_key_of_a_bad_config(tmp_path):
@@ -81,7 +91,7 @@ def test_chat_asks_for_the_config_flag_of_a_per_rank_checkpoint(tmp_path):
 
 
 def test_chat_rejects_input_that_is_not_utf8():
-    one_error_line(chat("--interactive", "--num-devices", "1", stdin=b"\xff\xfe\x00binary\n"),
+    one_error_line(chat("--tiny", "--interactive", "--num-devices", "1", stdin=b"\xff\xfe\x00binary\n"),
                    "standard input is not UTF-8 text")
     one_error_line(chat("--complete", "--tiny", "--num-devices", "1", stdin=b"def f(x):\n    \xff\xfe\n"),
                    "dsv3-chat: error: standard input is not UTF-8 text")

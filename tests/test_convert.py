@@ -26,6 +26,7 @@ from dsv3_jax.checkpoint.load import ReferenceLayoutIndex
 from dsv3_jax.checkpoint.safetensors import SafetensorsFile, TensorIndex, save_file
 from fp8_checkpoints import quantize_block_wise
 from hf_models import hf_model, save
+from kernel_checks import kernel_twins
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 128
@@ -145,8 +146,11 @@ def run_main(name: str, *argv) -> None:
 
 
 def logits(path, n: int, **kwargs) -> np.ndarray:
-    model = dsv3_jax.load(path, compute_dtype="float32", num_devices=n, max_seq_len=64, **kwargs)
-    return np.asarray(model.forward(TOKENS))
+    """The loaded checkpoint's logits of TOKENS. The fp8 models' kernels run as their jnp twins
+    (the subject here is what the tools write, and both sides of each comparison compute alike)."""
+    with kernel_twins():
+        model = dsv3_jax.load(path, compute_dtype="float32", num_devices=n, max_seq_len=64, **kwargs)
+        return np.asarray(model.forward(TOKENS))
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -167,6 +171,12 @@ def fp8_source(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def hf_logits(bf16_source) -> dict[int, np.ndarray]:
     return {n: logits(bf16_source, n) for n in (1, 2, 4)}
+
+
+@pytest.fixture(scope="module")
+def fp8_logits(fp8_source) -> np.ndarray:
+    """The fp8 source's logits on 2 devices, loaded from its HF files."""
+    return logits(fp8_source, 2)
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +266,7 @@ def test_reference_layout_needs_a_config(reference_mp2):
         dsv3_jax.load(reference_mp2)
 
 
-def test_reference_layout_fp8(fp8_source, tmp_path):
+def test_reference_layout_fp8(fp8_source, fp8_logits, tmp_path):
     """fp8 weights keep their bytes; scales are cut with their weights in whole 128-blocks; loads like HF."""
     out = tmp_path / "fp8_mp2"
     run_main("convert", "--hf-ckpt-path", fp8_source, "--save-path", out, "--n-experts", 8, "--model-parallel", 2)
@@ -273,7 +283,7 @@ def test_reference_layout_fp8(fp8_source, tmp_path):
     assert np.array_equal(rank1.tensor("layers.2.ffn.experts.5.w2.weight").view(np.uint8),
                           source.tensor("model.layers.2.mlp.experts.5.down_proj.weight").view(np.uint8))
     config = reference_json(fp8_source, tmp_path / "config_fp8.json")
-    np.testing.assert_array_equal(logits(out, 2, config=str(config)), logits(fp8_source, 2))
+    np.testing.assert_array_equal(logits(out, 2, config=str(config)), fp8_logits)
 
 
 # ------------------------------------------------------------------ to_orbax.py
@@ -330,7 +340,7 @@ def test_orbax_checks_the_config(orbax_bf16):
         dsv3_jax.load(orbax_bf16, config=args.replace(dtype="fp8"))
 
 
-def test_orbax_fp8(fp8_source, tmp_path):
+def test_orbax_fp8(fp8_source, fp8_logits, tmp_path):
     from dsv3_jax.checkpoint.orbax import stored_arrays
 
     out = tmp_path / "orbax_fp8"
@@ -339,7 +349,7 @@ def test_orbax_fp8(fp8_source, tmp_path):
     assert stored[("moe_layers", "attn", "wq_b", "weight")] == ((2, 512, 128), E4M3)
     assert stored[("moe_layers", "attn", "wq_b", "scale")] == ((2, 4, 1), np.dtype(np.float32))
     assert stored[("moe_layers", "ffn", "experts", "w2", "scale")] == ((2, 8, 1, 1), np.dtype(np.float32))
-    np.testing.assert_array_equal(logits(out, 2), logits(fp8_source, 2))
+    np.testing.assert_array_equal(logits(out, 2), fp8_logits)
 
 
 # ------------------------------------------------------------------ fp8_cast_bf16.py
@@ -571,6 +581,7 @@ def test_keep_mtp_loads_like_hf(source, tmp_path, request):
     prompts = [[int(t) for t in row] for row in TOKENS]
     outputs = []
     for path, extra in ((source, {}), (out, {"config": str(config)})):
-        model = dsv3_jax.load(path, compute_dtype="float32", num_devices=2, max_seq_len=64, mtp=True, **extra)
-        outputs.append(model.generate(prompts, 8, eos_id=-1, temperature=0.0, mtp=True))
+        with kernel_twins():  # as in logits()
+            model = dsv3_jax.load(path, compute_dtype="float32", num_devices=2, max_seq_len=64, mtp=True, **extra)
+            outputs.append(model.generate(prompts, 8, eos_id=-1, temperature=0.0, mtp=True))
     assert outputs[0] == outputs[1]

@@ -1,5 +1,6 @@
 """The fp8 model path: an HF model quantised block-wise into the hub fp8 layout, loaded with
 gemm_impl "bf16" (dequantise, then multiply) and "fp8" (quantised activations, scaled GEMM)."""
+import contextlib
 import json
 
 import numpy as np
@@ -9,6 +10,14 @@ import dsv3_jax
 from dsv3_jax.errors import CheckpointError
 from fp8_checkpoints import save_fp8
 from hf_models import hf_model, hf_step_logits
+from kernel_checks import kernel_twins
+
+# The dense layers' fp8 kernels (act_quant, fp8_gemm, weight_dequant). Where the model's numbers are
+# the subject they run as their jnp twins (tests/test_kernels.py: equal to the kernels bit for bit,
+# or within 1e-6 relative); test_fp8_paths_are_exact runs act_quant's and fp8_gemm's kernels in
+# Linear, and the absorb model of test_fp8_bf16_gemm_matches_hf_on_dequantised_weights runs
+# weight_dequant's kernel in a whole model.
+DENSE_KERNELS = ("quantize", "dequantize", "gemm")
 
 # every matrix's input dimension a multiple of 128, as act_quant requires
 FP8_TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
@@ -50,10 +59,11 @@ def test_fp8_bf16_gemm_matches_hf_on_dequantised_weights(fp8_checkpoint):
     hf, directory = fp8_checkpoint
     tokens = np.random.default_rng(0).integers(0, 512, size=(2, 12))
     expected = hf_step_logits(hf, tokens, 7, 5)
-    for attn_impl in ("absorb", "naive"):
-        model = dsv3_jax.load(directory, compute_dtype="float32", gemm_impl="bf16", attn_impl=attn_impl,
-                              max_batch_size=2, max_seq_len=32)
-        got = _steps(model, tokens, 7, 5)
+    for attn_impl, kernels in (("absorb", contextlib.nullcontext()), ("naive", kernel_twins(*DENSE_KERNELS))):
+        with kernels:
+            model = dsv3_jax.load(directory, compute_dtype="float32", gemm_impl="bf16", attn_impl=attn_impl,
+                                  max_batch_size=2, max_seq_len=32)
+            got = _steps(model, tokens, 7, 5)
         diff = max(float(np.abs(a - b).max()) for a, b in zip(got, expected))
         print(f"fp8 weights, gemm_impl bf16, {attn_impl}: max |logit diff| vs HF = {diff:.2e}")
         assert diff <= 1e-4
@@ -71,9 +81,10 @@ def test_fp8_gemm_within_two_percent(fp8_checkpoint, tmp_path, scale_fmt):
         (directory / "config.json").write_text(json.dumps(config))
     tokens = np.random.default_rng(1).integers(0, 512, size=(2, 10))
     expected = hf_step_logits(hf, tokens, 7, 3)
-    model = dsv3_jax.load(directory, compute_dtype="float32", gemm_impl="fp8", max_batch_size=2, max_seq_len=32)
-    assert model.args.scale_fmt == scale_fmt
-    got = _steps(model, tokens, 7, 3)
+    with kernel_twins(*DENSE_KERNELS):
+        model = dsv3_jax.load(directory, compute_dtype="float32", gemm_impl="fp8", max_batch_size=2, max_seq_len=32)
+        assert model.args.scale_fmt == scale_fmt
+        got = _steps(model, tokens, 7, 3)
     rel = max(float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(got, expected))
     print(f"gemm_impl fp8 (scale_fmt={scale_fmt}): max relative L2 vs HF = {rel:.4f}")
     assert rel < 0.02
@@ -137,25 +148,30 @@ def test_fp8_paths_are_exact():
         assert np.abs(grouped - expected).max() <= 1e-4 * np.abs(expected).max()
 
 
+ROUTED_TOKENS = np.random.default_rng(3).integers(0, 512, size=(2, 10))
+
+
 @pytest.fixture(scope="module")
 def many_experts(tmp_path_factory):
-    """A model with 16 experts (decoding 2 rows x 2 experts gathers) and 128-multiple dims (the kernel's K)."""
+    """A model with 16 experts (decoding 2 rows x 2 experts gathers) and 128-multiple dims (the kernel's
+    K): {weights: (checkpoint directory, HF's logits of ROUTED_TOKENS)}, HF run once per weights."""
     from hf_models import save
 
     config = {**FP8_TINY, "n_routed_experts": 16, "n_group": 4, "topk_group": 2}
     hf = hf_model("v3", seed=12, branch_scale=0.5, **config)
     plain = save(hf, tmp_path_factory.mktemp("plain"))
     fp8_dir, oracle = save_fp8(hf, tmp_path_factory.mktemp("fp8_many"), files=2)
-    return {"float32": (hf, plain), "fp8": (oracle, fp8_dir)}
+    return {"float32": (plain, hf_step_logits(hf, ROUTED_TOKENS, 7, 3)),
+            "fp8": (fp8_dir, hf_step_logits(oracle, ROUTED_TOKENS, 7, 3))}
 
 
 @pytest.mark.parametrize("weights", ["float32", "fp8"])
 @pytest.mark.parametrize("moe_impl", ["kernel", "fused", "slots", "gather", "ragged"])
 def test_every_routed_expert_path_matches_hf(many_experts, weights, moe_impl):
-    """The Pallas grouped kernel, the gather-then-GEMM path and ragged_dot agree with HF."""
-    hf, directory = many_experts[weights]
-    tokens = np.random.default_rng(3).integers(0, 512, size=(2, 10))
-    expected = hf_step_logits(hf, tokens, 7, 3)
-    model = dsv3_jax.load(directory, compute_dtype="float32", moe_impl=moe_impl, max_batch_size=2, max_seq_len=32)
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(_steps(model, tokens, 7, 3), expected))
+    """The Pallas grouped kernel (interpret mode), the gather-then-GEMM path and ragged_dot agree with HF."""
+    directory, expected = many_experts[weights]
+    with kernel_twins(*DENSE_KERNELS):
+        model = dsv3_jax.load(directory, compute_dtype="float32", moe_impl=moe_impl, max_batch_size=2, max_seq_len=32)
+        got = _steps(model, ROUTED_TOKENS, 7, 3)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(got, expected, strict=True))
     assert diff <= 1e-4

@@ -13,9 +13,10 @@ import dsv3_jax
 from dsv3_jax.sharding import make_mesh
 from kernel_checks import kernel_twins
 
-# The fused and slots models run the dense layers' fp8 kernels (Linear: act_quant, fp8_gemm,
-# weight_dequant) as their jnp twins, the grouped kernels under test in interpret mode; the ragged
-# reference runs every kernel in interpret mode (the twins differ from them by <= 1e-6 relative).
+# Every model here runs the dense layers' fp8 kernels (Linear: act_quant, fp8_gemm, weight_dequant)
+# as their jnp twins (tests/test_kernels.py proves the kernels equal to them: bit for bit, or within
+# 1e-6 relative), so fused and slots differ from the ragged reference only in the routed experts:
+# the grouped kernels under test, in interpret mode, against ragged_dot.
 DENSE_KERNELS = ("quantize", "dequantize", "gemm")
 
 
@@ -29,7 +30,9 @@ def tiny(weights: str) -> dsv3_jax.ModelArgs:
                               v_head_dim=32, max_batch_size=2, max_seq_len=32, dtype=weights)
 
 
-def prefill_and_decode(model, steps: int = 2) -> list[np.ndarray]:
+def prefill_and_decode(model, steps: int = 1) -> list[np.ndarray]:
+    """Logits of a prefill (rows at different starts) and of `steps` decode steps. One decode step
+    suffices: another would run the same compiled step, and the experts keep no state across steps."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model.args.vocab_size, (2, 9)).astype(np.int32)
     next_tokens = rng.integers(0, model.args.vocab_size, (steps, 2, 1)).astype(np.int32)
@@ -52,9 +55,10 @@ def ragged():
     def get(num_devices: int, weights: str, gemm_impl: str, compute_dtype: str):
         key = (num_devices, weights, gemm_impl, compute_dtype)
         if key not in built:
-            model = dsv3_jax.build(tiny(weights), seed=0, num_devices=num_devices, gemm_impl=gemm_impl,
-                                   compute_dtype=compute_dtype, moe_impl="ragged")
-            built[key] = model, prefill_and_decode(model)
+            with kernel_twins(*DENSE_KERNELS):
+                model = dsv3_jax.build(tiny(weights), seed=0, num_devices=num_devices, gemm_impl=gemm_impl,
+                                       compute_dtype=compute_dtype, moe_impl="ragged")
+                built[key] = model, prefill_and_decode(model)
         return built[key]
 
     return get
