@@ -19,7 +19,8 @@ def free_port() -> int:
 def test_two_processes_chat_like_one(tmp_path):
     turns = ["Hello! Tell me about the weather.", "What is 3 plus 4?", "/clear", "Tell me about music."]
     address = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    # two host devices each; backend optimisation off, as for the test session (conftest): quicker compiles
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(name, None)
     command = [sys.executable, "-m", "dsv3_jax.chat", "--tiny", "--interactive", "--temperature", "0",
@@ -55,7 +56,8 @@ def test_two_processes_chat_like_one(tmp_path):
 def test_processes_with_different_flags_fail_clearly():
     """A follower started with other generation flags is one clear error on every process, not a hang."""
     address = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    # two host devices each; backend optimisation off, as for the test session (conftest): quicker compiles
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
     base = [sys.executable, "-m", "dsv3_jax.chat", "--tiny", "--interactive", "--temperature", "0",
             "--coordinator-address", address, "--num-processes", "2"]
     processes = [subprocess.Popen(base + ["--max-new-tokens", tokens, "--process-id", str(rank)],

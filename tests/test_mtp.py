@@ -16,6 +16,7 @@ from safetensors.numpy import save_file
 
 import dsv3_jax
 from dsv3_jax.config import ModelArgs
+from dsv3_jax.decode.generate import prefill_chunks
 from dsv3_jax.errors import CheckpointError
 from dsv3_jax.model.cache import cache_specs
 from dsv3_jax.model.rope import inverse_frequencies, rotary_angles
@@ -404,15 +405,18 @@ def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_outp
 # ------------------------------------------------------------------ chunked prefill
 @pytest.mark.parametrize("devices", [1, 4])
 def test_greedy_output_is_identical_with_mtp_and_chunked_prefill(devices):
-    """max_seq_len 300 (not a power of two): the bucket of a 290-token prompt is 300, chunks of 64 start at
-    0, 64, 128, 192 and 236 (the last one redoing part of the one before); rows end inside, just before and
-    at chunk boundaries, so each row's first token and draft come from a different chunk."""
-    whole = dsv3_jax.build(tiny_args().replace(max_batch_size=4, max_seq_len=300), mtp=True, compute_dtype="float32",
+    """max_seq_len 150 (not a power of two): the bucket of a 140-token prompt is 150, chunks of 64 start at
+    0, 64 and 86 (the last one redoing part of the one before); rows end inside a chunk, just before and at a
+    chunk boundary and inside the redone part, so each row's first token and draft come from a different chunk.
+    The main model's and the MTP module's windows (one position later) differ in two chunks: 64 | 128 and
+    128 | 150, then 150 | 150 (each a compilation: the few a bucket needs)."""
+    whole = dsv3_jax.build(tiny_args().replace(max_batch_size=4, max_seq_len=150), mtp=True, compute_dtype="float32",
                            seed=3, num_devices=devices)
     chunked = dsv3_jax.Model(whole.args, whole.graphdef, whole.state, whole.mesh,
                              dsv3_jax.RunOptions.make(whole.options, prefill_chunk=64))
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, 8, n).tolist() for n in (150, 63, 64, 290)]
+    assert [tuple(c) for c in prefill_chunks(150, 64, 150)] == [(0, 64, 128), (64, 128, 150), (86, 150, 150)]
+    rng = np.random.default_rng(11)  # prompts whose completions accept drafts and reject others
+    prompts = [rng.integers(0, 8, n).tolist() for n in (100, 63, 64, 140)]
     plain = whole.generate(prompts, 9, eos_id=-1, temperature=0.0)
     stats = {}
     assert chunked.generate(prompts, 9, eos_id=-1, temperature=0.0, mtp=True, stats=stats) == plain
