@@ -23,6 +23,7 @@ from dsv3_jax.model.rope import inverse_frequencies, rotary_angles
 from dsv3_jax.options import StepContext
 from dsv3_jax.sharding import partition_specs
 from hf_models import V3_TINY, hf_model, save
+from sampling_oracle import filtered
 
 
 def tiny_args(vocab: int = 8, **overrides) -> ModelArgs:
@@ -283,19 +284,6 @@ def test_greedy_output_is_identical_with_mtp(spec_model):
 
 
 # ------------------------------------------------------------------ sampling keeps the main model's distribution
-def filtered(p: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
-    """float64 top-k then top-p (the smallest set of the most likely tokens whose mass reaches top_p), renormalised."""
-    order = np.argsort(-p, kind="stable")
-    keep = np.zeros(len(p), bool)
-    keep[order[:top_k or len(p)]] = True
-    p = np.where(keep, p, 0) / p[keep].sum()
-    ordered = p[order]
-    kept = order[(np.cumsum(ordered) - ordered) < top_p]
-    out = np.zeros_like(p)
-    out[kept] = p[kept]
-    return out / out.sum()
-
-
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 0.8)], ids=["unfiltered", "top_k_top_p"])
 def test_sampled_tokens_follow_the_main_model(spec_model_one_device, top_k, top_p):
     """Draft q and target p are both the filtered distributions; min(1, p/q) acceptance with the

@@ -4,8 +4,6 @@ process 1 only runs the steps. Concurrent greedy answers through process 0 equal
 process (what the single-process server answers with and without --mtp, test_serve_mtp); SIGTERM to process 0 ends both
 with status 0."""
 import asyncio
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +18,12 @@ pytest.importorskip("starlette")
 import dsv3_jax  # noqa: E402
 from dsv3_jax.decode.generate import generate  # noqa: E402
 from dsv3_jax.tokenizer import Tokenizer  # noqa: E402
+from processes import free_port, killed_on_exit, two_device_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = Path(dsv3_jax.__file__).parent / "assets" / "demo"
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, item):", "for i in range(10):"]
 MAX_SEQ_LEN, MAX_TOKENS = 128, 20
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_healthy(url: str, processes, timeout: float = 240) -> None:
@@ -49,16 +42,14 @@ def wait_healthy(url: str, processes, timeout: float = 240) -> None:
 
 def test_two_processes_serve_like_one():
     port, address = free_port(), f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-        env.pop(name, None)
+    env = two_device_env()
     command = [sys.executable, "-m", "dsv3_jax.serve", "--mtp", "--port", str(port), "--max-seq-len", str(MAX_SEQ_LEN),
                "--max-batch-size", "4", "--min-window", str(MAX_SEQ_LEN), "--prefill-chunk", "64",
                "--compute-dtype", "float32", "--coordinator-address", address, "--num-processes", "2"]
     processes = [subprocess.Popen(command + ["--process-id", str(rank)], stdin=subprocess.DEVNULL,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
                  for rank in (0, 1)]
-    try:
+    with killed_on_exit(*processes):
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, processes)
 
@@ -74,10 +65,6 @@ def test_two_processes_serve_like_one():
         answers = asyncio.run(ask_all())
         processes[0].terminate()
         results = [p.communicate(timeout=120) for p in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
     for process, (_, err) in zip(processes, results):
         assert process.returncode == 0, err[-3000:]
     assert results[1][0] == "" and "http://" not in results[1][1]  # process 1 serves nothing

@@ -22,6 +22,7 @@ from dsv3_jax.serving.engine import Engine  # noqa: E402
 from dsv3_jax.serving.plan import DecodeRow, PrefillRow, RowParams, StepPlan  # noqa: E402
 from dsv3_jax.serving.speculative import SpeculativeEngine  # noqa: E402
 from dsv3_jax.tokenizer import Tokenizer  # noqa: E402
+from sampling_oracle import filtered  # noqa: E402
 from test_serve import serve_in_thread  # noqa: E402
 
 ASSETS = Path(dsv3_jax.__file__).parent / "assets"
@@ -112,19 +113,6 @@ def test_mtp_stream_usage_stop_and_seeded_sampling(servers, reference):
 
 
 # ------------------------------------------------------------------ sampled rows keep the main model's distribution
-def filtered(p: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
-    """float64 top-k then top-p (the smallest most-likely set whose mass reaches top_p), renormalised."""
-    order = np.argsort(-p, kind="stable")
-    keep = np.zeros(len(p), bool)
-    keep[order[:top_k or len(p)]] = True
-    p = np.where(keep, p, 0) / p[keep].sum()
-    ordered = p[order]
-    kept = order[(np.cumsum(ordered) - ordered) < top_p]
-    out = np.zeros_like(p)
-    out[kept] = p[kept]
-    return out / out.sum()
-
-
 def test_speculative_rows_sample_the_main_models_distribution():
     """64 rows, half unfiltered and half with top_k 4 / top_p 0.8 (one batch, per-row filters), each
     with its own seed: the first three tokens (the prefill's, then one or two per speculative step)
