@@ -20,8 +20,8 @@ from ._common import cdiv, fail, interpret_in_shard_map, match_vma, num_sms, res
 
 _FN = "mla_decode"
 _NEG = -1e30  # finite "minus infinity": an empty split must not produce inf - inf
-# Default split-K: enough programs for this many per SM. One 4-warp program per SM keeps too few loads in
-# flight to cover HBM latency over a long cache; two stream faster (NOTES, "thresholds").
+# Default split-K: enough programs for this many per SM. Over a long cache two 4-warp programs an SM keep
+# more loads in flight than one and read it faster (benchmarks/NOTES.md, "thresholds").
 PROGRAMS_PER_SM = 2
 
 
