@@ -109,7 +109,7 @@ def test_complete_with_the_demo_model_by_default():
     assert "demo model" in result.stderr and "Python 3.12 standard library" in result.stderr
     tokenizer = Tokenizer.from_dir(DEMO)
     assert tokenizer.chat_template is None
-    model = dsv3_jax.load(DEMO, max_batch_size=1, max_seq_len=4096)
+    model = dsv3_jax.load(DEMO, max_batch_size=1)  # the window of its trained positions
     ids = tokenizer.encode(prompt)
     assert ids[0] == tokenizer.bos_id and len(ids) > 1
     completion = model.generate([ids], 24, tokenizer.eos_id, temperature=0.0)[0]

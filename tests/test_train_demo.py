@@ -128,3 +128,48 @@ def test_position_buckets_match_a_window_by_window_computation(trained, corpus):
     summary = eval_demo.summarize(scores, sum(len(t.encode()) for t in texts))
     total = sum(sum(v) for v in by_bucket.values())
     assert summary["bits_per_byte"] == pytest.approx(total / math.log(2) / summary["bytes"], rel=1e-4)
+
+
+def test_generation_stops_at_the_trained_positions(trained):
+    """A checkpoint trained at 32 positions (max_position_embeddings, no rope scaling): load's default
+    window is 32; a larger max_seq_len is cut to 32 with a PositionLimitWarning; generate then stops at
+    position 32 with a MaxSeqLenWarning, as does dsv3-chat, with its note."""
+    import subprocess
+    import sys
+    import warnings
+
+    import dsv3_jax
+    from dsv3_jax.config import trained_positions
+
+    out, _ = trained
+    assert trained_positions(out / "config.json") == 32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dsv3_jax.PositionLimitWarning)
+        assert dsv3_jax.load(out, max_batch_size=1).args.max_seq_len == 32
+    with pytest.warns(dsv3_jax.PositionLimitWarning, match="exceeds the 32 positions"):
+        model = dsv3_jax.load(out, max_batch_size=1, max_seq_len=4096)
+    assert model.args.max_seq_len == 32
+    prompt = list(range(5, 25))
+    with pytest.warns(dsv3_jax.MaxSeqLenWarning, match="stopped at max_seq_len=32"):
+        completion = model.generate([prompt], 40, None, temperature=0.0)[0]
+    assert len(prompt) + len(completion) == 32
+    result = subprocess.run([sys.executable, "-m", "dsv3_jax.chat", "--ckpt-path", str(out), "--complete",
+                             "--max-new-tokens", "400", "--temperature", "0", "--max-seq-len", "4096",
+                             "--num-devices", "1", "--prompt", "def f(x):"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "exceeds the 32 positions" in result.stderr
+    assert "at --max-seq-len=32" in result.stderr
+
+
+def test_trained_positions_only_without_rope_scaling(tmp_path):
+    from dsv3_jax.config import trained_positions
+
+    base = {"hidden_size": 64, "max_position_embeddings": 512}
+    cases = [(base, 512), ({**base, "rope_scaling": None}, 512),
+             ({**base, "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 128}}, None),
+             ({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, 512),
+             ({"dim": 64, "max_seq_len": 512}, None)]  # the reference's JSON
+    for i, (config, expected) in enumerate(cases):
+        path = tmp_path / f"c{i}.json"
+        path.write_text(json.dumps(config))
+        assert trained_positions(path) == expected, config
