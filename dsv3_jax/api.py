@@ -19,7 +19,7 @@ from .checkpoint.load import CONFIG_HINT, ReferenceLayoutIndex, find_config, hom
 from .checkpoint.orbax import OrbaxMTPIndex, has_array, is_orbax_checkpoint, restore_state
 from .checkpoint.safetensors import TensorIndex
 from .checkpoint.schema import MTP_STATE, hf_name, mtp_probe, rank_files, with_gate_bias
-from .config import ModelArgs
+from .config import ModelArgs, trained_positions, window_for
 from .decode.generate import generate
 from .decode.speculative import make_mtp_steps
 from .decode.step import StepParts, make_step
@@ -146,7 +146,7 @@ def model_layout(args: ModelArgs, options: RunOptions, mesh: Mesh) -> Layout:
 
 
 def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh: Mesh | None = None,
-         max_batch_size: int = 8, max_seq_len: int = 4096, config=None, dtype: str | None = None,
+         max_batch_size: int = 8, max_seq_len: int | None = None, config=None, dtype: str | None = None,
          progress: bool | None = None, mtp: bool = False, **choices) -> Model:
     """Load a checkpoint directory onto `num_devices` devices (or `mesh`), each device reading its own shard.
 
@@ -161,6 +161,9 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
     progress: a bar of the bytes and tensors read (process 0 only); None: when stderr is a terminal.
     mtp: also load the multi-token-prediction module (layer num_hidden_layers), for
     `generate(..., mtp=True)`; without it no MTP tensor is read.
+    max_seq_len: positions of the cache (prompt + completion); None: 4096, or fewer when the Hugging Face
+    config says the model was trained at fewer (max_position_embeddings without rope scaling); a larger
+    request is cut to those positions with a `PositionLimitWarning` (past them the model is untrained).
     Before anything is read, the weights, the cache and a prefill chunk's working set are planned
     against the devices' memory (`dsv3_jax.memory.check_fits`): a `MemoryPlanError` names what fits.
     """
@@ -173,12 +176,10 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
         raise CheckpointError(f"{path} holds the reference's per-rank files, which carry no config: "
                               f"{CONFIG_HINT}")
     if config is None:
-        args = ModelArgs.from_file(find_config(path))
-    elif isinstance(config, ModelArgs):
-        args = config
-    else:
-        args = ModelArgs.from_file(config)
-    args = args.replace(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        config = find_config(path)
+    args = config if isinstance(config, ModelArgs) else ModelArgs.from_file(config)
+    limit = None if isinstance(config, ModelArgs) else trained_positions(config)
+    args = args.replace(max_batch_size=max_batch_size, max_seq_len=window_for(max_seq_len, limit))
     _check_gemm_impl(args, options, path)
     mesh = _mesh_for(args, num_devices, mesh)
     layout = model_layout(args, options, mesh)

@@ -21,11 +21,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def hf_tokenizer_config() -> dict:
-    """tokenizer_config.json for a tokenizer with those special tokens and that chat template."""
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
-            "add_bos_token": True, "add_eos_token": False, "model_max_length": 4096,
-            "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
+def hf_tokenizer_config(chat: bool = True) -> dict:
+    """tokenizer_config.json for a tokenizer with those special tokens, and that chat template if `chat`
+    (a completion model, such as the demo, has none: its CLI then completes raw text)."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
+              "add_bos_token": True, "add_eos_token": False, "model_max_length": 4096,
+              "clean_up_tokenization_spaces": False}
+    return config | ({"chat_template": CHAT_TEMPLATE} if chat else {})
 
 
 def train_byte_level_bpe(texts, vocab_size: int, min_frequency: int) -> tokenizers.Tokenizer:

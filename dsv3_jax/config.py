@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -396,3 +397,41 @@ def _translate_quant(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class PositionLimitWarning(UserWarning):
+    """A max_seq_len above the positions a checkpoint was trained at (its config's
+    max_position_embeddings, with no rope scaling): the window is cut to those positions."""
+
+
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+def trained_positions(config_path) -> int | None:
+    """The positions a Hugging Face config says its model was trained at: max_position_embeddings when
+    no rope scaling extends it (rope_scaling null or absent, rope_parameters of the default type);
+    None for other configs (YaRN-extended, the reference's JSON)."""
+    try:
+        hf = json.loads(Path(config_path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(hf, dict) or "hidden_size" not in hf or "max_position_embeddings" not in hf:
+        return None
+    rope = hf.get("rope_parameters") or {}
+    if hf.get("rope_scaling") or rope.get("rope_type", rope.get("type", "default")) != "default":
+        return None
+    limit = hf["max_position_embeddings"]
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def window_for(requested: int | None, limit: int | None) -> int:
+    """max_seq_len for a request (None: the default) given a checkpoint's trained positions (None: no limit):
+    the default is cut to the limit silently, a larger explicit request with a PositionLimitWarning."""
+    if requested is None:
+        return min(DEFAULT_MAX_SEQ_LEN, limit) if limit else DEFAULT_MAX_SEQ_LEN
+    if limit and requested > limit:
+        warnings.warn(f"max_seq_len={requested} exceeds the {limit} positions the checkpoint was trained at "
+                      f"(max_position_embeddings, no rope scaling): using max_seq_len={limit}", PositionLimitWarning,
+                      stacklevel=3)
+        return limit
+    return requested

@@ -8,9 +8,9 @@ on the device(s). At b=1 and b=8 it times, after a prefill to --context tokens:
 and prints spec / plain (target: <= 1.2 at b=1).
 
 Part 2 (with --demo DIR): a trained checkpoint with an MTP layer (dsv3_jax/assets/demo), greedy
-tokens/s with and without MTP on held-out prompts, and the acceptance rate. The prompts are the
-first --prompt-tokens tokens of --demo-prompts windows of the held-out split (data/pystdlib/tokens.npz,
-files the demo model never saw), or the lines of --prompts FILE.
+tokens/s with and without MTP on held-out prompts, and the acceptance rate. The prompts are
+--demo-prompts windows of --prompt-tokens tokens spread over the corpus' evaluation set
+(--data: data/pycorpus/eval_texts.jsonl.gz, files the demo model never saw), or the lines of --prompts FILE.
 
     python scripts/bench_mtp.py --config configs/config_671B.json --layers 4 --gemm-impl fp8 --out mtp.json
     python scripts/bench_mtp.py --demo dsv3_jax/assets/demo --skip-shape
@@ -32,7 +32,7 @@ from dsv3_jax.config import ModelArgs
 from dsv3_jax.decode.generate import prefill
 from dsv3_jax.options import add_flags, from_flags
 
-HELDOUT = Path(__file__).resolve().parent.parent / "data" / "pystdlib" / "tokens.npz"
+DATA = Path(__file__).resolve().parent.parent / "data" / "pycorpus"
 
 
 def timed(fn, repeats: int) -> float:
@@ -52,7 +52,7 @@ def bench_shape(cli, results: list) -> None:
     dense = cli.layers if not args.n_routed_experts else min(
         args.n_dense_layers if cli.dense_layers is None else cli.dense_layers, cli.layers - 1)
     args = args.replace(n_layers=cli.layers, n_dense_layers=dense, n_mtp_layers=1, max_batch_size=max(cli.batches),
-                        max_seq_len=cli.max_seq_len)
+                        max_seq_len=cli.max_seq_len or 4096)
     if cli.gemm_impl == "fp8" or cli.fp8:
         args = args.replace(dtype="fp8")
     model = dsv3_jax.build(args, mtp=True, options=from_flags(cli), num_devices=cli.num_devices or jax.device_count())
@@ -97,10 +97,13 @@ def bench_demo(cli, results: list) -> None:
     tokenizer = Tokenizer.from_dir(cli.demo)
     if cli.prompts is not None:
         prompts = [line for line in Path(cli.prompts).read_text().splitlines() if line.strip()]
-        ids = [tokenizer.encode(p)[-cli.max_seq_len // 2:] for p in prompts]
+        ids = [tokenizer.encode(p)[-(cli.max_seq_len or 4096) // 2:] for p in prompts]
     else:
-        with np.load(HELDOUT) as data:
-            heldout = data["heldout"]
+        from fidelity_demo import sibling_script
+
+        eval_demo = sibling_script("eval_demo")
+        texts = eval_demo.read_eval_texts(cli.data)
+        heldout = np.concatenate([eval_demo.domain_stream(tokenizer, texts[d]) for d in eval_demo.DOMAINS if texts[d]])
         starts = np.linspace(0, len(heldout) - cli.prompt_tokens, cli.demo_prompts).astype(int)
         ids = [heldout[s:s + cli.prompt_tokens].astype(int).tolist() for s in starts]
     batch = min(len(ids), cli.demo_batch)
@@ -134,12 +137,14 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="fp8 weights even with --gemm-impl bf16")
     parser.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8])
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="cache positions (default: 4096, or the checkpoint's trained positions if fewer)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--num-devices", type=int, default=None)
     parser.add_argument("--skip-shape", action="store_true")
     parser.add_argument("--demo", type=Path, default=None)
     parser.add_argument("--prompts", type=Path, default=None)
+    parser.add_argument("--data", type=Path, default=DATA, help=f"corpus directory of the held-out prompts ({DATA})")
     parser.add_argument("--demo-batch", type=int, default=1)
     parser.add_argument("--demo-prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=128)

@@ -3,20 +3,23 @@ block-wise fp8 (the hub layout: e4m3 `weight` + float32 `weight_scale_inv` per 1
 here from the bf16 weights), with both GEMM paths and with ue8m0 (power-of-two) scales; against the
 unigram baseline. Writes benchmarks/fidelity-demo.{json,md} (--write) or prints the table.
 
-    python scripts/fidelity_demo.py [--windows 32] [--write]
+    python scripts/fidelity_demo.py [--windows 32] [--seq 2048] [--ckpt DIR] [--data DIR] [--write [--out-dir DIR]]
 
-Evaluation set: `--windows` windows of 512 predicted tokens (513 tokens each), spread evenly over
-the non-overlapping windows of the held-out split (data/pystdlib/tokens.npz, 297,462 tokens), each
-scored from position 0 (no earlier context), as in training's evaluation. The MTP columns score
+Evaluation set: `--windows` windows of --seq predicted tokens (seq + 1 tokens each), spread evenly
+over the non-overlapping windows of the corpus' evaluation set (data/pycorpus/eval_texts.jsonl.gz,
+both domains, tokenized by the checkpoint's tokenizer), each scored from position 0 (no earlier
+context), as in training's evaluation. The MTP columns score
 the MTP module on the same windows: its loss on token i+2 and its teacher-forced acceptance (its
 top-1 guess for token i+2 equals the main model's greedy token for i+2 given the true prefix).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,8 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 DEMO = ROOT / "dsv3_jax" / "assets" / "demo"
-DATA = ROOT / "data" / "pystdlib"
-SEQ = 512
+DATA = ROOT / "data" / "pycorpus"
+SEQ = 2048
 BLOCK = 128
 E4M3_MAX = 448.0
 
@@ -86,19 +89,34 @@ def write_fp8(source: Path, directory: Path, ue8m0: bool = False) -> Path:
     return directory
 
 
-def heldout_windows(n: int) -> np.ndarray:
-    """`n` windows (n, SEQ + 1) spread evenly over the held-out split's non-overlapping windows."""
-    with np.load(DATA / "tokens.npz") as data:
-        heldout = data["heldout"]
-    total = (len(heldout) - 1) // SEQ
-    starts = np.linspace(0, total - 1, n).round().astype(np.int64) * SEQ
-    return heldout[starts[:, None] + np.arange(SEQ + 1)[None]].astype(np.int32)
+def sibling_script(name: str):
+    """scripts/<name>.py as a module (the scripts are no package)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
-def unigram_loss(windows: np.ndarray) -> float:
+def heldout_windows(n: int, seq: int = SEQ, ckpt: Path = DEMO, data: Path = DATA) -> np.ndarray:
+    """`n` windows (n, seq + 1) spread evenly over the evaluation set's non-overlapping windows."""
+    from dsv3_jax.tokenizer import Tokenizer
+
+    eval_demo = sibling_script("eval_demo")
+    texts = eval_demo.read_eval_texts(data)
+    tokenizer = Tokenizer.from_dir(ckpt)
+    stream = np.concatenate([eval_demo.domain_stream(tokenizer, texts[d]) for d in eval_demo.DOMAINS if texts[d]])
+    total = (len(stream) - 1) // seq
+    if total < 1:
+        raise SystemExit(f"the evaluation set of {data} holds {len(stream)} tokens, fewer than one window of {seq}")
+    starts = np.linspace(0, total - 1, n).round().astype(np.int64) * seq
+    return stream[starts[:, None] + np.arange(seq + 1)[None]].astype(np.int32)
+
+
+def unigram_loss(windows: np.ndarray, data: Path = DATA) -> float:
     """-log p of the windows' targets under the train split's add-one unigram model."""
-    with np.load(DATA / "tokens.npz") as data:
-        counts = np.bincount(data["train"], minlength=8192).astype(np.float64) + 1.0
+    counts = np.load(data / "train_counts.npy").astype(np.float64) + 1.0
     return float(-np.log(counts / counts.sum())[windows[:, 1:]].mean())
 
 
@@ -110,7 +128,7 @@ def evaluate(path: Path, windows: np.ndarray, options: dict, mtp: bool = True) -
     from dsv3_jax.checkpoint.mtp import load_mtp
 
     start = time.perf_counter()
-    model = dsv3_jax.load(path, max_seq_len=SEQ + 1, max_batch_size=len(windows), **options)
+    model = dsv3_jax.load(path, max_seq_len=windows.shape[1] - 1, max_batch_size=len(windows), **options)
     module = load_mtp(path, model.args, param_dtype=model.options.jnp_dtype) if mtp else None
     out = training.sequence_nll(model, windows, mtp=module)
     loss = float(jnp.mean(out["nll"]))
@@ -123,18 +141,19 @@ def evaluate(path: Path, windows: np.ndarray, options: dict, mtp: bool = True) -
     return result
 
 
-def measure(n_windows: int, configs=CONFIGS, mtp: bool = True) -> dict:
-    windows = heldout_windows(n_windows)
+def measure(n_windows: int, configs=CONFIGS, mtp: bool = True, seq: int = SEQ, ckpt: Path = DEMO,
+            data: Path = DATA) -> dict:
+    windows = heldout_windows(n_windows, seq, ckpt, data)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {"bf16": DEMO}
+        paths = {"bf16": ckpt}
         for name, checkpoint, options in configs:
             if checkpoint not in paths:
-                paths[checkpoint] = write_fp8(DEMO, Path(tmp) / checkpoint, ue8m0=checkpoint == "fp8-ue8m0")
+                paths[checkpoint] = write_fp8(ckpt, Path(tmp) / checkpoint, ue8m0=checkpoint == "fp8-ue8m0")
             rows.append(dict(name=name, checkpoint=checkpoint, **options,
                              **evaluate(paths[checkpoint], windows, options, mtp)))
-    unigram = unigram_loss(windows)
-    return dict(windows=n_windows, seq=SEQ, tokens=int(windows[:, 1:].size), unigram_loss=unigram,
+    unigram = unigram_loss(windows, data)
+    return dict(windows=n_windows, seq=seq, tokens=int(windows[:, 1:].size), unigram_loss=unigram,
                 unigram_ppl=math.exp(unigram), rows=rows)
 
 
@@ -142,7 +161,8 @@ def markdown(result: dict) -> str:
     base = {r["name"]: r for r in result["rows"]}["bfloat16"]
     lines = ["# Demo model fidelity: held-out perplexity by precision", "",
              f"{result['windows']} windows x {result['seq']} predicted tokens ({result['tokens']} tokens), spread "
-             "evenly over the held-out split of data/pystdlib (Python 3.12 stdlib files not trained on); "
+             "evenly over the corpus' evaluation set (held-out Python files of the stdlib and other packages, not "
+             "trained on); "
              f"{result.get('host', 'CPU')}. Relative change against bfloat16. Unigram baseline (train-split "
              f"counts, add-one): loss {result['unigram_loss']:.3f}, perplexity {result['unigram_ppl']:.1f}.", "",
              "| precision | checkpoint | loss | perplexity | loss vs bf16 | ppl vs bf16 | MTP loss | MTP acceptance |",
@@ -156,17 +176,26 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> None:
+    import jax
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--windows", type=int, default=32)
-    parser.add_argument("--write", action="store_true", help="write benchmarks/fidelity-demo.{json,md}")
+    parser.add_argument("--seq", type=int, default=SEQ, help="predicted tokens per window")
+    parser.add_argument("--ckpt", type=Path, default=DEMO, help=f"bf16 checkpoint ({DEMO})")
+    parser.add_argument("--data", type=Path, default=DATA, help=f"corpus directory ({DATA})")
+    parser.add_argument("--write", action="store_true", help="write fidelity-demo.{json,md} into --out-dir")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks")
     opts = parser.parse_args(argv)
-    result = measure(opts.windows)
-    result["host"] = f"CPU ({platform.machine()}), jax {__import__('jax').__version__}"
+    result = measure(opts.windows, seq=opts.seq, ckpt=opts.ckpt, data=opts.data)
+    device = jax.devices()[0]
+    result["host"] = (f"{device.device_kind}" if device.platform == "gpu" else f"CPU ({platform.machine()})") + \
+        f", jax {jax.__version__}"
     text = markdown(result)
     print(text)
     if opts.write:
-        (ROOT / "benchmarks" / "fidelity-demo.json").write_text(json.dumps(result, indent=1) + "\n")
-        (ROOT / "benchmarks" / "fidelity-demo.md").write_text(text)
+        opts.out_dir.mkdir(parents=True, exist_ok=True)
+        (opts.out_dir / "fidelity-demo.json").write_text(json.dumps(result, indent=1) + "\n")
+        (opts.out_dir / "fidelity-demo.md").write_text(text)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Train the demo model: a small DeepSeek-V3 (MLA with q_lora, sigmoid group-limited routing with the
-correction bias, shared + routed experts, a dense first layer, one MTP module) on the Python 3.12
-standard library, and write it as a Hugging Face checkpoint.
+correction bias, shared + routed experts, a dense first layer, one MTP module) on permissively
+licensed Python source, and write it as a Hugging Face checkpoint.
 
-    PYTHONPATH=. python3 scripts/train_demo.py --out OUT_DIR [--minutes 4 | --steps N] [--seed 0]
+    PYTHONPATH=. python3 scripts/train_demo.py --data DATA_DIR --out OUT_DIR [--minutes 6 | --steps N] [--seed 0]
 
-Data: `data/pystdlib/` (scripts/make_demo_data.py): token ids of the train and held-out files and the
-tokenizer. Training never reads the held-out split; it is evaluated every --eval-every steps.
+Data: the directory scripts/make_demo_data.py writes (tokens.npz: token ids of the train and held-out
+files; the tokenizer). Training never reads the held-out split; it is evaluated every --eval-every steps.
+Windows of --seq tokens are drawn anywhere in the train stream (files concatenated), and the config's
+max_position_embeddings is --seq: the positions the model was trained at.
 
 Model: the project's own modules (dsv3_jax.training: Transformer + MTP, cache-free full-sequence
 pass). Loss = next-token cross-entropy + --mtp-weight (0.3, as in the V3 report) x the MTP module's
@@ -25,7 +27,7 @@ warmup does not depend on it); the chosen count is printed, and --steps N reprod
 exactly (batches are drawn on the device from the seed and the step number).
 
 Outputs in --out: config.json (num_nextn_predict_layers 1), model.safetensors (bf16, HF names, the
-MTP module at layer num_hidden_layers; files of at most 15 MiB, so two files and an index for the
+MTP module at layer num_hidden_layers; files of at most 15 MiB, so several files and an index for the
 demo; its copies of the embedding and head only with --mtp-copies),
 tokenizer.json, tokenizer_config.json, train_log.json (every evaluation and the final report) and
 train_log.md (a short table).
@@ -44,17 +46,23 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DATA = ROOT / "data" / "pystdlib"
+DATA = ROOT / "data" / "pycorpus"
 
-# The demo model: DeepSeek-V3's architecture at small scale: 11.3 M parameters (9.6 M main model, of
-# which 4.2 M embedding + head, 1.7 M MTP module); bf16 checkpoint 22.6 MB without the MTP layer's
-# copies of embedding and head (--mtp-copies adds 8.4 MB). Every input dimension of a projection is a
-# multiple of 128, so the fp8 versions of the checkpoint run with gemm_impl "fp8" too.
+# The demo model: DeepSeek-V3's architecture at small scale: 18.2 M parameters with vocabulary 8,192
+# (6.3 M of them embedding + head); bf16 checkpoint 36.4 MB without the MTP layer's copies of embedding
+# and head (--mtp-copies adds 12.6 MB). Every input dimension of a projection (hidden, q/kv LoRA ranks, heads x v_head_dim, the MLP and expert widths, the MTP
+# block's 2 x hidden) is a multiple of 128, so the fp8 versions of the checkpoint run with gemm_impl
+# "fp8" too.
 PRESETS = {
-    "demo": dict(hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=4,
-                 first_k_dense_replace=1, num_attention_heads=4, n_routed_experts=12, n_shared_experts=1,
-                 num_experts_per_tok=3, n_group=4, topk_group=2, q_lora_rank=128, kv_lora_rank=128,
+    "demo": dict(hidden_size=384, intermediate_size=1024, moe_intermediate_size=128, num_hidden_layers=4,
+                 first_k_dense_replace=1, num_attention_heads=6, n_routed_experts=12, n_shared_experts=1,
+                 num_experts_per_tok=3, n_group=4, topk_group=2, q_lora_rank=256, kv_lora_rank=128,
                  qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
+    # the previous demo model's shape (512 positions, stdlib only)
+    "demo-small": dict(hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=4,
+                       first_k_dense_replace=1, num_attention_heads=4, n_routed_experts=12, n_shared_experts=1,
+                       num_experts_per_tok=3, n_group=4, topk_group=2, q_lora_rank=128, kv_lora_rank=128,
+                       qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
     # for CPU tests: the same parts, tiny
     "tiny": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                  first_k_dense_replace=1, num_attention_heads=2, n_routed_experts=8, n_shared_experts=1,
@@ -83,9 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default="demo")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=0, help="training steps (0: as many as --minutes allows)")
-    p.add_argument("--minutes", type=float, default=4.0, help="time budget of the training steps when --steps 0")
-    p.add_argument("--batch", type=int, default=64, help="sequences per step")
-    p.add_argument("--seq", type=int, default=512, help="tokens per sequence")
+    p.add_argument("--minutes", type=float, default=6.0, help="time budget of the training steps when --steps 0")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (the config's max_position_embeddings)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=100, help="warmup steps")
@@ -95,12 +103,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-tokens", type=int, default=0, help="held-out tokens per evaluation (0: all)")
-    p.add_argument("--eval-batch", type=int, default=32)
+    p.add_argument("--eval-batch", type=int, default=16)
     p.add_argument("--train-tokens", type=int, default=0, help="use only the first N train tokens (tests)")
     p.add_argument("--mtp-copies", action="store_true",
                    help="also store the MTP layer's copies of the embedding and head (V3 checkpoints do; "
-                        "engines use the main ones; 2 x vocab x dim more, over the 24 MB budget of the demo)")
-    p.add_argument("--max-mb", type=float, default=24.0, help="refuse a config whose checkpoint exceeds this")
+                        "engines use the main ones; 2 x vocab x dim more, over the 40 MB budget of the demo)")
+    p.add_argument("--max-mb", type=float, default=40.0, help="refuse a config whose checkpoint exceeds this")
     p.add_argument("--remat", action="store_true", help="recompute layer activations in the backward pass")
     p.add_argument("--ragged-dot", choices=("auto", "xla", "dense"), default="auto",
                    help="routed-expert GEMM lowering: XLA's ragged dot, the dense (masked) decomposition, "
@@ -368,7 +376,7 @@ def reload_check(out: Path, run: SimpleNamespace, opts: argparse.Namespace, eval
     from dsv3_jax import training as T
     from dsv3_jax.checkpoint.mtp import load_mtp
 
-    loaded = dsv3_jax.load(out, compute_dtype=opts.dtype, max_seq_len=opts.seq + 1, max_batch_size=opts.eval_batch)
+    loaded = dsv3_jax.load(out, compute_dtype=opts.dtype, max_seq_len=opts.seq, max_batch_size=opts.eval_batch)
     mtp = load_mtp(out, loaded.args, param_dtype=run.compute)
     batch = windows[: opts.eval_batch]
     outputs = T.sequence_nll(loaded, batch, mtp=mtp)
