@@ -20,7 +20,7 @@ from .checkpoint.orbax import OrbaxMTPIndex, has_array, is_orbax_checkpoint, res
 from .checkpoint.safetensors import TensorIndex
 from .checkpoint.schema import MTP_STATE, hf_name, mtp_probe, rank_files, with_gate_bias
 from .config import ModelArgs, trained_positions, window_for
-from .decode.generate import generate
+from .decode.generate import generate, make_decode_step
 from .decode.speculative import make_mtp_steps
 from .decode.step import StepParts, make_step
 from .errors import CheckpointError, NoMTPLayerError
@@ -46,6 +46,7 @@ class Model:
         self.has_mtp = MTP_STATE in state
         self.parts = StepParts(graphdef, specs, args, mesh, options, self.layout)
         self.step = make_step(self.parts)
+        self.decode_step = make_decode_step(self.parts)
         self.cache = allocate_cache(args, options.attn_impl, mesh, self.layout, options.jnp_dtype, mtp=self.has_mtp)
         self._mtp_steps = None
 

@@ -188,7 +188,7 @@ def test_seeded_sampling_and_streaming(tiny):
 def test_warm_up_compiles_and_decoding_holds_no_growing_buffers(tiny):
     prompts = [[0, 2, 11, 12, 13], [0, 2, 14], [0, 2, 15, 16, 17, 18, 19]]
     gen.warm_up(tiny, [len(p) for p in prompts], 50)  # compiles what 50 new tokens need (window 64)
-    compiled = gen.decode_step._cache_size(), gen.prefill_chunk_step._cache_size(), gen.start_decoding._cache_size()
+    compiled = tiny.decode_step._cache_size(), gen.prefill_chunk_step._cache_size(), gen.start_decoding._cache_size()
     cache_before = tiny.cache["kv"]
     live = []
 
@@ -199,7 +199,7 @@ def test_warm_up_compiles_and_decoding_holds_no_growing_buffers(tiny):
 
     out = tiny.generate([p[::-1] for p in prompts], 55, eos_id=-1, temperature=0.3, seed=9, on_tokens=count)
     assert [len(c) for c in out] == [55] * 3  # 54 decode steps in the same (batch, window)
-    assert (gen.decode_step._cache_size(), gen.prefill_chunk_step._cache_size(),
+    assert (tiny.decode_step._cache_size(), gen.prefill_chunk_step._cache_size(),
             gen.start_decoding._cache_size()) == compiled, "a step recompiled"
     assert len(live) == 6 and len(set(live)) == 1, f"live device buffers changed during decoding: {live}"
     assert cache_before.is_deleted(), "the cache was not donated to the steps"

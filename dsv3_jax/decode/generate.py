@@ -29,6 +29,7 @@ from ..model.cache import cache_window
 from ..options import RunOptions
 from .sampling import sample
 from .speculative import SpecState, start_speculating
+from .step import COMMAND_BUFFERS, StepParts, decode_graphs, make_step
 
 MIN_PREFILL_BUCKET = 16
 
@@ -127,8 +128,18 @@ def start_decoding(logits, lengths, budgets, seed, temperature, eos_id, *, top_k
     return DecodeState(token, lengths, finished, remaining, key, temperature, eos_id)
 
 
-@functools.partial(jax.jit, static_argnames=("step", "kv_len", "top_k", "top_p"), donate_argnums=(1,))
-def decode_step(params, cache, state: DecodeState, *, step, kv_len: int, top_k: int,
+def make_decode_step(parts: StepParts):
+    """The jitted decode step of a model: `(params, cache, state, *, kv_len, top_k, top_p) -> (state, cache)`,
+    `sample_step` around the model's step, the cache donated. With decode graphs (`decode_graphs`) its
+    layer scans are unrolled and it is compiled with XLA command buffers, so that one CUDA graph replays
+    the whole step's kernels: a launch per step instead of one per kernel."""
+    graphs = decode_graphs(parts)
+    step = make_step(parts._replace(options=dataclasses.replace(parts.options, unroll=True)) if graphs else parts)
+    return jax.jit(functools.partial(sample_step, step), static_argnames=("kv_len", "top_k", "top_p"),
+                   donate_argnums=(1,), compiler_options=COMMAND_BUFFERS if graphs else None)
+
+
+def sample_step(step, params, cache, state: DecodeState, *, kv_len: int, top_k: int,
                 top_p: float) -> tuple[DecodeState, dict]:
     """Feed every row's newest token at its own position and sample the next one; finished rows
     keep their token and position (their cache writes only touch their own finished row)."""
@@ -248,7 +259,7 @@ def _one_per_compilation(chunks: Sequence[PrefillChunk], mtp: bool) -> list[Pref
 def decode(model, state: DecodeState | SpecState, plan: Plan) -> DecodeState | SpecState:
     """One decode step for every unfinished row (asynchronous: nothing waits for the device); a
     speculative state takes a speculative step (verify the drafts, emit 1-2 tokens per row, draft again)."""
-    step = model.mtp_steps[1] if isinstance(state, SpecState) else functools.partial(decode_step, step=model.step)
+    step = model.mtp_steps[1] if isinstance(state, SpecState) else model.decode_step
     state, model.cache = step(model.state, model.cache, state, kv_len=plan.kv_len, top_k=plan.top_k,
                               top_p=plan.top_p)
     return state

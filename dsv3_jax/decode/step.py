@@ -21,6 +21,12 @@ from ..options import RunOptions
 from ..sharding import Layout
 
 
+# XLA command buffers for every kind of launch a decode step makes, from the first kernel on
+# (`xla_gpu_graph_min_graph_size` 1): the compiled step runs as CUDA graphs.
+COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+                   "xla_gpu_graph_min_graph_size": 1}
+
+
 class StepParts(NamedTuple):
     """A model's graph, how its state is split (partition specs), its config, mesh, options and layout."""
 
@@ -34,6 +40,14 @@ class StepParts(NamedTuple):
     @property
     def cache_specs(self):
         return cache_specs(self.options.attn_impl, self.layout)
+
+
+def decode_graphs(parts: StepParts) -> bool:
+    """Whether the single-token decode steps run as CUDA graphs (`RunOptions.decode_graph`; auto: on a
+    GPU mesh)."""
+    if parts.options.decode_graph != "auto":
+        return parts.options.decode_graph == "on"
+    return parts.mesh.devices.flat[0].platform == "gpu"
 
 
 def make_step(parts: StepParts):

@@ -56,10 +56,10 @@ class Block(nnx.Module):
 
 def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None, first_layer: int, *,
               loads: bool = False, remat: bool = False):
-    """Apply the stacked layers in order with `jax.lax.scan` (cache rows indexed by global layer);
-    returns the output and the stacked new cache entries (depth, B, S, ...), and with `loads` the
-    stacked expert loads (depth, E) (None for dense layers). `remat` recomputes each layer's
-    activations in the backward pass instead of keeping them (training)."""
+    """Apply the stacked layers in order with `jax.lax.scan`, or one after another (`RunOptions.unroll`),
+    cache rows indexed by global layer; returns the output and the stacked new cache entries
+    (depth, B, S, ...), and with `loads` the stacked expert loads (depth, E) (None for dense layers).
+    `remat` recomputes each layer's activations in the backward pass instead of keeping them (training)."""
     # routed experts stay whole (the grouped kernel indexes the layer); everything else is scanned over
     graphdef, routed, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
     depth = jax.tree.leaves(rest)[0].shape[0]
@@ -73,5 +73,11 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None
 
     if remat:
         one_layer = jax.checkpoint(one_layer)
-    h, stacked = jax.lax.scan(one_layer, x, (rest, jnp.arange(depth)), unroll=depth if ctx.options.unroll else 1)
-    return (h, *stacked)
+    if not ctx.options.unroll:
+        h, stacked = jax.lax.scan(one_layer, x, (rest, jnp.arange(depth)))
+        return (h, *stacked)
+    h, outs = x, []  # unrolled: a Python loop (a scan of length 1 would still leave a while loop)
+    for index in range(depth):
+        h, out = one_layer(h, (jax.tree.map(lambda a: a[index], rest), jnp.int32(index)))
+        outs.append(out)
+    return (h, *jax.tree.map(lambda *layers: jnp.stack(layers), *outs))
