@@ -78,3 +78,20 @@ def test_graph_decode_on_a_gpu():
         for temperature in (0.0, 1.0):
             expected = scanned.generate(PROMPTS, 12, eos_id=-1, temperature=temperature, seed=7)
             assert graphs.generate(PROMPTS, 12, eos_id=-1, temperature=temperature, seed=7) == expected
+
+
+def test_speculative_step_as_a_graph_gives_the_same_tokens():
+    """The MTP speculative step under decode graphs (the demo model, which has an MTP module): unrolled,
+    compiled with the command-buffer options, and emitting what the scanned speculative step emits."""
+    demo = Path(dsv3_jax.__file__).parent / "assets" / "demo"
+    scanned = dsv3_jax.load(demo, compute_dtype="float32", max_batch_size=2, max_seq_len=64, mtp=True)
+    graphs = dsv3_jax.Model(scanned.args, scanned.graphdef, scanned.state, scanned.mesh,
+                            dsv3_jax.RunOptions.make(scanned.options, decode_graph="on"))
+    prompts = [[0, 30, 31, 32, 33], [0, 40, 41]]
+    for temperature in (0.0, 1.0):
+        expected = scanned.generate(prompts, 10, eos_id=-1, temperature=temperature, seed=3, mtp=True)
+        assert graphs.generate(prompts, 10, eos_id=-1, temperature=temperature, seed=3, mtp=True) == expected
+    spec_state, plan = prefill(graphs, prompts, 4, eos_id=-1, temperature=0.0, mtp=True)
+    lowered = graphs.mtp_steps[1].lower(graphs.state, graphs.cache, spec_state, kv_len=plan.kv_len, top_k=0,
+                                        top_p=1.0)
+    assert dict(lowered._lowering._compiler_options_kvs) == COMMAND_BUFFERS

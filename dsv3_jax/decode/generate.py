@@ -29,7 +29,7 @@ from ..model.cache import cache_window
 from ..options import RunOptions
 from .sampling import sample
 from .speculative import SpecState, start_speculating
-from .step import COMMAND_BUFFERS, StepParts, decode_graphs, make_step
+from .step import StepParts, decode_step_parts, make_step
 
 MIN_PREFILL_BUCKET = 16
 
@@ -130,13 +130,12 @@ def start_decoding(logits, lengths, budgets, seed, temperature, eos_id, *, top_k
 
 def make_decode_step(parts: StepParts):
     """The jitted decode step of a model: `(params, cache, state, *, kv_len, top_k, top_p) -> (state, cache)`,
-    `sample_step` around the model's step, the cache donated. With decode graphs (`decode_graphs`) its
+    `sample_step` around the model's step, the cache donated. With decode graphs (`decode_step_parts`) its
     layer scans are unrolled and it is compiled with XLA command buffers, so that one CUDA graph replays
     the whole step's kernels: a launch per step instead of one per kernel."""
-    graphs = decode_graphs(parts)
-    step = make_step(parts._replace(options=dataclasses.replace(parts.options, unroll=True)) if graphs else parts)
-    return jax.jit(functools.partial(sample_step, step), static_argnames=("kv_len", "top_k", "top_p"),
-                   donate_argnums=(1,), compiler_options=COMMAND_BUFFERS if graphs else None)
+    step_parts, compiler_options = decode_step_parts(parts)
+    return jax.jit(functools.partial(sample_step, make_step(step_parts)), static_argnames=("kv_len", "top_k", "top_p"),
+                   donate_argnums=(1,), compiler_options=compiler_options)
 
 
 def sample_step(step, params, cache, state: DecodeState, *, kv_len: int, top_k: int,

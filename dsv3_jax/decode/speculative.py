@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from ..model.transformer import step_context
 from ..sharding import Layout
 from .sampling import distribution, draw, random_rows
-from .step import StepParts
+from .step import StepParts, decode_step_parts
 
 
 class SpecState(NamedTuple):
@@ -176,6 +176,7 @@ def make_mtp_steps(parts: StepParts):
         SpecState);  step(state, cache, spec_state, *, kv_len, top_k, top_p) -> (SpecState, cache).
     """
     c_specs = parts.cache_specs
+    step_parts, compiler_options = decode_step_parts(parts)  # decode graphs, as the plain decode step
 
     def prefill(state, cache, tokens, following, start, lengths, carry, seed, temperature, *, kv_len, mtp_kv_len,
                 top_k, top_p):
@@ -186,9 +187,10 @@ def make_mtp_steps(parts: StepParts):
             state, cache, tokens, following, start, lengths, carry, seed, temperature)
 
     def step(state, cache, s, *, kv_len, top_k, top_p):
-        body = functools.partial(_step, parts, kv_len=kv_len, top_k=top_k, top_p=top_p)
+        body = functools.partial(_step, step_parts, kv_len=kv_len, top_k=top_k, top_p=top_p)
         return jax.shard_map(body, mesh=parts.mesh, in_specs=(parts.state_specs, c_specs, P()),
                              out_specs=(P(), c_specs), check_vma=False)(state, cache, s)
 
     return (jax.jit(prefill, static_argnames=("kv_len", "mtp_kv_len", "top_k", "top_p"), donate_argnums=(1,)),
-            jax.jit(step, static_argnames=("kv_len", "top_k", "top_p"), donate_argnums=(1,)))
+            jax.jit(step, static_argnames=("kv_len", "top_k", "top_p"), donate_argnums=(1,),
+                    compiler_options=compiler_options))

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -48,6 +49,14 @@ def decode_graphs(parts: StepParts) -> bool:
     if parts.options.decode_graph != "auto":
         return parts.options.decode_graph == "on"
     return parts.mesh.devices.flat[0].platform == "gpu"
+
+
+def decode_step_parts(parts: StepParts) -> tuple[StepParts, dict | None]:
+    """What a single-token decode step is traced from and compiled with: under decode graphs, `parts`
+    with the layer scans unrolled and the command-buffer options; otherwise `parts` as they are."""
+    if not decode_graphs(parts):
+        return parts, None
+    return parts._replace(options=dataclasses.replace(parts.options, unroll=True)), COMMAND_BUFFERS
 
 
 def make_step(parts: StepParts):
