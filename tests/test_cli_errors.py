@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import dsv3_jax
-from chat_calls import chat_each
+from chat_calls import python_each
 from dsv3_jax.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,10 +29,6 @@ def run(*argv, stdin: bytes | str = b"", timeout: float = 180, cwd: Path = ROOT,
     return result
 
 
-def chat(*flags, stdin: bytes | str = b"") -> subprocess.CompletedProcess:
-    return run("-m", "dsv3_jax.chat", *flags, stdin=stdin)
-
-
 def one_error_line(result: subprocess.CompletedProcess, *expected: str) -> str:
     """The run failed with exactly one line on stderr (beside the chat's start-up line), containing `expected`."""
     assert result.returncode != 0, result.stderr
@@ -46,6 +42,43 @@ def one_error_line(result: subprocess.CompletedProcess, *expected: str) -> str:
 
 def tiny_copy(tmp_path: Path, name: str) -> Path:
     return Path(shutil.copytree(TINY, tmp_path / name))
+
+
+def prompt_length(text: str) -> int:
+    """Tokens of `text` as a user turn through the tiny checkpoint's chat template."""
+    return len(Tokenizer.from_dir(TINY).apply_chat_template([{"role": "user", "content": text}]))
+
+
+# The command lines of the tests below but two, each test's named after it: made in a directory of
+# their own, then all run one after another in one process (chat_calls.python_each: a process start
+# and a jax import for all, stdout and stderr caught at the file descriptors). A test reads what its
+# own came to from the `runs` fixture.
+COMMANDS = {}
+
+
+def commands(make):
+    """Register `make(directory) -> [(python argv, stdin), ...]` for the test `test_<its name>`."""
+    COMMANDS[make.__name__] = make
+    return make
+
+
+def chat(*flags, stdin: bytes | str = b"") -> tuple[tuple, bytes | str]:
+    return ("-m", "dsv3_jax.chat", *flags), stdin
+
+
+def tool(name: str, *flags) -> tuple[tuple, bytes]:
+    return ("-m", f"dsv3_jax.convert.{name}", *flags), b""
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> dict[str, tuple[list[subprocess.CompletedProcess], Path]]:
+    """For each selected test of COMMANDS: what its command lines gave, and the directory they were made in."""
+    selected = {item.originalname.removeprefix("test_") for item in request.session.items
+                if item.module is request.module}
+    made = {name: (directory := tmp_path_factory.mktemp(name), make(directory))
+            for name, make in COMMANDS.items() if name in selected}
+    results = iter(python_each(*(call for _, calls in made.values() for call in calls)))
+    return {name: ([next(results) for _ in calls], directory) for name, (directory, calls) in made.items()}
 
 
 # ------------------------------------------------------------------ dsv3-chat: flags, before anything loads
@@ -65,10 +98,13 @@ BAD_FLAGS = [
 ]
 
 
-def test_chat_rejects_bad_flags_in_one_line():
-    """Each of BAD_FLAGS, a main() call of its own in one process (the other tests here start the
-    CLI itself, `python -m dsv3_jax.chat`, once per case)."""
-    results = chat_each(*((flags, b"") for flags, _ in BAD_FLAGS))
+@commands
+def chat_rejects_bad_flags_in_one_line(directory):
+    return [chat(*flags) for flags, _ in BAD_FLAGS]
+
+
+def test_chat_rejects_bad_flags_in_one_line(runs):
+    results, _ = runs["chat_rejects_bad_flags_in_one_line"]
     for (flags, expected), result in zip(BAD_FLAGS, results, strict=True):
         try:
             one_error_line(result, expected)
@@ -76,35 +112,46 @@ def test_chat_rejects_bad_flags_in_one_line():
             raise AssertionError(f"dsv3-chat {' '.join(flags)}: {failure}") from None
 
 
-def test_chat_names_the_hf_key_of_a_bad_config(tmp_path):
-    directory = tiny_copy(tmp_path, "big")
+@commands
+def chat_names_the_hf_key_of_a_bad_config(directory):
+    directory = tiny_copy(directory, "big")
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "hidden_size": "big"}))
-    one_error_line(chat("--interactive", "--ckpt-path", directory), "'hidden_size' must be int", "'big'")
+    return [chat("--interactive", "--ckpt-path", directory)]
 
 
-def test_chat_asks_for_the_config_flag_of_a_per_rank_checkpoint(tmp_path):
-    directory = tiny_copy(tmp_path, "ranks")
+def test_chat_names_the_hf_key_of_a_bad_config(runs):
+    (result,), _ = runs["chat_names_the_hf_key_of_a_bad_config"]
+    one_error_line(result, "'hidden_size' must be int", "'big'")
+
+
+@commands
+def chat_asks_for_the_config_flag_of_a_per_rank_checkpoint(directory):
+    directory = tiny_copy(directory, "ranks")
     (directory / "model.safetensors").rename(directory / "model0-mp1.safetensors")
     (directory / "config.json").unlink()
-    one_error_line(chat("--interactive", "--ckpt-path", directory), "per-rank", "--config")
+    return [chat("--interactive", "--ckpt-path", directory)]
 
 
-def test_chat_rejects_input_that_is_not_utf8():
-    one_error_line(chat("--tiny", "--interactive", "--num-devices", "1", stdin=b"\xff\xfe\x00binary\n"),
-                   "standard input is not UTF-8 text")
-    one_error_line(chat("--complete", "--tiny", "--num-devices", "1", stdin=b"def f(x):\n    \xff\xfe\n"),
-                   "dsv3-chat: error: standard input is not UTF-8 text")
+def test_chat_asks_for_the_config_flag_of_a_per_rank_checkpoint(runs):
+    (result,), _ = runs["chat_asks_for_the_config_flag_of_a_per_rank_checkpoint"]
+    one_error_line(result, "per-rank", "--config")
 
 
-def test_chat_names_the_flags_a_checkpoint_cannot_serve():
-    one_error_line(chat("--tiny", "--interactive", "--num-devices", "1", "--mtp"),
-                   "--mtp:", "holds no multi-token-prediction (MTP) layer", "run without --mtp")
-    one_error_line(chat("--tiny", "--interactive", "--num-devices", "1", "--gemm-impl", "fp8"),
-                   "--gemm-impl fp8", "holds bf16 weights")
+@commands
+def chat_names_the_flags_a_checkpoint_cannot_serve(directory):
+    return [chat("--tiny", "--interactive", "--num-devices", "1", "--mtp"),
+            chat("--tiny", "--interactive", "--num-devices", "1", "--gemm-impl", "fp8")]
+
+
+def test_chat_names_the_flags_a_checkpoint_cannot_serve(runs):
+    (mtp, fp8), _ = runs["chat_names_the_flags_a_checkpoint_cannot_serve"]
+    one_error_line(mtp, "--mtp:", "holds no multi-token-prediction (MTP) layer", "run without --mtp")
+    one_error_line(fp8, "--gemm-impl fp8", "holds bf16 weights")
 
 
 def test_chat_names_the_missing_flag_of_a_multi_process_start():
+    """A process of its own, in an environment without jax's settings (JAX_NUM_PROCESSES, ...)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     result = run("-m", "dsv3_jax.chat", "--tiny", "--interactive", "--coordinator-address", "127.0.0.1:9",
                  env=env, timeout=60)
@@ -112,34 +159,82 @@ def test_chat_names_the_missing_flag_of_a_multi_process_start():
                    "--process-id (or JAX_PROCESS_ID)")
 
 
-def test_batch_prompt_without_room_for_a_completion(tmp_path):
-    tokenizer = Tokenizer.from_dir(TINY)
-    length = len(tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}]))
-    (tmp_path / "prompts.txt").write_text("Hello there\n")
-    one_error_line(chat("--tiny", "--input-file", tmp_path / "prompts.txt", "--num-devices", "1", "--max-seq-len", length),
-                   "prompt 1", f"{length} tokens", f"--max-seq-len={length}")
+@commands
+def batch_prompt_without_room_for_a_completion(directory):
+    (directory / "prompts.txt").write_text("Hello there\n")
+    return [chat("--tiny", "--input-file", directory / "prompts.txt", "--num-devices", "1",
+                 "--max-seq-len", prompt_length("Hello there"))]
+
+
+def test_batch_prompt_without_room_for_a_completion(runs):
+    (result,), _ = runs["batch_prompt_without_room_for_a_completion"]
+    length = prompt_length("Hello there")
+    one_error_line(result, "prompt 1", f"{length} tokens", f"--max-seq-len={length}")
 
 
 # ------------------------------------------------------------------ dsv3-chat: feedback
-def test_batch_notes_cut_completions_and_prints_rates(tmp_path):
-    tokenizer = Tokenizer.from_dir(TINY)
-    prompts = ["Hello there", "Describe a red lamp in a few words, please."]
-    lengths = [len(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
-    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
-    # room for 3 tokens after the longer prompt: its completion is cut (greedy: the tiny model babbles on)
-    limit = max(lengths) + 3
-    result = chat("--tiny", "--input-file", tmp_path / "prompts.txt", "--num-devices", "1", "--max-seq-len", limit,
-                  "--max-new-tokens", 40, "--temperature", 0)
+BATCH_PROMPTS = ["Hello there", "Describe a red lamp in a few words, please."]
+# room for 3 tokens after the longer prompt: its completion is cut (greedy: the tiny model babbles on)
+BATCH_LIMIT = max(map(prompt_length, BATCH_PROMPTS)) + 3
+
+
+@commands
+def batch_notes_cut_completions_and_prints_rates(directory):
+    (directory / "prompts.txt").write_text("\n".join(BATCH_PROMPTS) + "\n")
+    return [chat("--tiny", "--input-file", directory / "prompts.txt", "--num-devices", "1",
+                 "--max-seq-len", BATCH_LIMIT, "--max-new-tokens", 40, "--temperature", 0)]
+
+
+def test_batch_notes_cut_completions_and_prints_rates(runs):
+    (result,), _ = runs["batch_notes_cut_completions_and_prints_rates"]
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert f"dsv3-chat: completion 2 stopped after 3 tokens at --max-seq-len={limit}" in lines
+    assert f"dsv3-chat: completion 2 stopped after 3 tokens at --max-seq-len={BATCH_LIMIT}" in lines
     rates = [RATES.fullmatch(line) for line in lines]
     assert sum(bool(r) for r in rates) == 1
-    assert int(next(r for r in rates if r).group(1)) == sum(lengths)
+    assert int(next(r for r in rates if r).group(1)) == sum(map(prompt_length, BATCH_PROMPTS))
 
 
-def test_help_shows_defaults_and_explains_each_flag():
-    text = chat("--help").stdout
+# The interactive session's flags: room for 3 tokens after "Hello there". The not-UTF-8 session
+# takes them too (any would do), so that both compile one decode step.
+INTERACTIVE = ("--tiny", "--interactive", "--num-devices", "1", "--max-seq-len", prompt_length("Hello there") + 3,
+               "--max-new-tokens", 40, "--temperature", 0)
+
+
+@commands
+def interactive_notes_a_cut_answer_and_prints_rates(directory):
+    return [chat(*INTERACTIVE, stdin="Hello there\n")]
+
+
+def test_interactive_notes_a_cut_answer_and_prints_rates(runs):
+    (result,), _ = runs["interactive_notes_a_cut_answer_and_prints_rates"]
+    limit = prompt_length("Hello there") + 3
+    assert result.returncode == 0, result.stderr
+    assert f"dsv3-chat: the answer stopped after 3 tokens at --max-seq-len={limit}" in result.stderr
+    rates = RATES.search(result.stdout)
+    assert rates and int(rates.group(1)) == limit - 3 and int(rates.group(2)) == 2, result.stdout
+
+
+@commands
+def chat_rejects_input_that_is_not_utf8(directory):
+    return [chat(*INTERACTIVE, stdin=b"\xff\xfe\x00binary\n"),
+            chat("--complete", "--tiny", "--num-devices", "1", stdin=b"def f(x):\n    \xff\xfe\n")]
+
+
+def test_chat_rejects_input_that_is_not_utf8(runs):
+    (interactive, complete), _ = runs["chat_rejects_input_that_is_not_utf8"]
+    one_error_line(interactive, "standard input is not UTF-8 text")
+    one_error_line(complete, "dsv3-chat: error: standard input is not UTF-8 text")
+
+
+@commands
+def help_shows_defaults_and_explains_each_flag(directory):
+    return [chat("--help")]
+
+
+def test_help_shows_defaults_and_explains_each_flag(runs):
+    (result,), _ = runs["help_shows_defaults_and_explains_each_flag"]
+    text = result.stdout
     for flag, default in (("--max-new-tokens", "200"), ("--temperature", "0.2"), ("--top-k", "0"),
                           ("--top-p", "1.0"), ("--max-seq-len", "4096"), ("--compute-dtype", "bfloat16")):
         block = text.split(f"  {flag} ")[1].split("\n  --")[0]
@@ -152,63 +247,84 @@ def test_help_shows_defaults_and_explains_each_flag():
 
 
 # ------------------------------------------------------------------ the checkpoint tools and scripts
-def test_tool_refuses_an_existing_output_without_progress_noise(tmp_path):
-    out = tmp_path / "taken"
+@commands
+def tool_refuses_an_existing_output_without_progress_noise(directory):
+    out = directory / "taken"
     out.mkdir()
     (out / "mine.txt").write_text("keep")
-    line = one_error_line(run("-m", "dsv3_jax.convert.to_orbax", "--hf-ckpt-path", TINY, "--save-path", out),
-                          "dsv3-to-orbax: error:", str(out), "already exists")
+    return [tool("to_orbax", "--hf-ckpt-path", TINY, "--save-path", out)]
+
+
+def test_tool_refuses_an_existing_output_without_progress_noise(runs):
+    (result,), directory = runs["tool_refuses_an_existing_output_without_progress_noise"]
+    out = directory / "taken"
+    line = one_error_line(result, "dsv3-to-orbax: error:", str(out), "already exists")
     assert "%" not in line and (out / "mine.txt").read_text() == "keep"
 
 
-def test_tool_names_the_users_output_path_not_its_staging_directory():
-    line = one_error_line(run("-m", "dsv3_jax.convert.to_orbax", "--hf-ckpt-path", TINY, "--save-path", "/proc/x"),
-                          "cannot create save path /proc/x")
+@commands
+def tool_names_the_users_output_path_not_its_staging_directory(directory):
+    return [tool("to_orbax", "--hf-ckpt-path", TINY, "--save-path", "/proc/x")]
+
+
+def test_tool_names_the_users_output_path_not_its_staging_directory(runs):
+    (result,), _ = runs["tool_names_the_users_output_path_not_its_staging_directory"]
+    line = one_error_line(result, "cannot create save path /proc/x")
     assert ".partial" not in line
 
 
-def test_cast_without_fp8_tensors_is_an_error_and_writes_nothing(tmp_path):
-    out = tmp_path / "cast"
-    one_error_line(run("-m", "dsv3_jax.convert.fp8_cast_bf16", "--input-fp8-hf-path", TINY,
-                       "--output-bf16-hf-path", out), f"no fp8 tensors in {TINY}: nothing to cast")
-    assert list(tmp_path.iterdir()) == []
+@commands
+def cast_without_fp8_tensors_is_an_error_and_writes_nothing(directory):
+    return [tool("fp8_cast_bf16", "--input-fp8-hf-path", TINY, "--output-bf16-hf-path", directory / "cast")]
+
+
+def test_cast_without_fp8_tensors_is_an_error_and_writes_nothing(runs):
+    (result,), directory = runs["cast_without_fp8_tensors_is_an_error_and_writes_nothing"]
+    one_error_line(result, f"no fp8 tensors in {TINY}: nothing to cast")
+    assert list(directory.iterdir()) == []
+
+
+# `python convert/<tool>.py --help`, then which dsv3_jax it imported, in the same process
+WHICH_PACKAGE = "import sys; print(sys.modules['dsv3_jax'].__file__)\n"
 
 
 @pytest.mark.parametrize("name", ["convert", "to_orbax", "fp8_cast_bf16"])
 def test_convert_scripts_run_from_a_checkout(tmp_path, name):
     """`python convert/<tool>.py` (the reference's way) from any directory, nothing installed on the
-    path: the shim imports this checkout's package."""
+    path: the shim imports this checkout's package. A process of its own (no package imported before)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     shim = ROOT / "convert" / f"{name}.py"
-    result = run(shim, "--help", cwd=tmp_path, env=env)
+    (tmp_path / "which.py").write_text(WHICH_PACKAGE)
+    result, where = python_each(((shim, "--help"), b"", tmp_path), ((tmp_path / "which.py",), b"", tmp_path), env=env)
     assert result.returncode == 0 and "--help" in result.stdout, result.stderr
-    where = run("-c", "import runpy, sys; runpy.run_path(sys.argv[1]); print(sys.modules['dsv3_jax'].__file__)",
-                shim, cwd=tmp_path, env=env)
     assert where.returncode == 0 and Path(where.stdout.strip()) == ROOT / "dsv3_jax" / "__init__.py", where
 
 
-def test_tool_rejects_unknown_flags_in_one_line():
-    one_error_line(run("-m", "dsv3_jax.convert.convert", "--bogus"), "dsv3-convert: error:", "--bogus")
+@commands
+def tool_rejects_unknown_flags_in_one_line(directory):
+    return [tool("convert", "--bogus")]
 
 
-def test_memory_plan_reads_hf_configs_and_reports_bad_ones_in_one_line(tmp_path):
-    result = run(ROOT / "scripts" / "memory_plan.py", "--config", TINY / "config.json", "--devices", 1, "--batch", 1,
-                 "--seq-len", 64, "--prefill-chunk", 64)
-    assert result.returncode == 0, result.stderr
-    assert "# Memory plan: config.json" in result.stdout
-    bad = tmp_path / "config.json"
+def test_tool_rejects_unknown_flags_in_one_line(runs):
+    (result,), _ = runs["tool_rejects_unknown_flags_in_one_line"]
+    one_error_line(result, "dsv3-convert: error:", "--bogus")
+
+
+MEMORY_PLAN = ROOT / "scripts" / "memory_plan.py"
+
+
+@commands
+def memory_plan_reads_hf_configs_and_reports_bad_ones_in_one_line(directory):
+    bad = directory / "config.json"
     bad.write_text(json.dumps({**json.loads((TINY / "config.json").read_text()), "hidden_size": "big"}))
-    one_error_line(run(ROOT / "scripts" / "memory_plan.py", "--config", bad), "'hidden_size' must be int")
-    one_error_line(run(ROOT / "scripts" / "memory_plan.py", "--config", tmp_path / "none.json"),
-                   f"config file not found: {tmp_path / 'none.json'}")
+    return [((MEMORY_PLAN, "--config", TINY / "config.json", "--devices", 1, "--batch", 1, "--seq-len", 64,
+              "--prefill-chunk", 64), b""),
+            ((MEMORY_PLAN, "--config", bad), b""), ((MEMORY_PLAN, "--config", directory / "none.json"), b"")]
 
 
-def test_interactive_notes_a_cut_answer_and_prints_rates():
-    tokenizer = Tokenizer.from_dir(TINY)
-    limit = len(tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}])) + 3
-    result = chat("--tiny", "--interactive", "--num-devices", "1", "--max-seq-len", limit, "--max-new-tokens", 40,
-                  "--temperature", 0, stdin="Hello there\n")
-    assert result.returncode == 0, result.stderr
-    assert f"dsv3-chat: the answer stopped after 3 tokens at --max-seq-len={limit}" in result.stderr
-    rates = RATES.search(result.stdout)
-    assert rates and int(rates.group(1)) == limit - 3 and int(rates.group(2)) == 2, result.stdout
+def test_memory_plan_reads_hf_configs_and_reports_bad_ones_in_one_line(runs):
+    (good, bad, missing), directory = runs["memory_plan_reads_hf_configs_and_reports_bad_ones_in_one_line"]
+    assert good.returncode == 0, good.stderr
+    assert "# Memory plan: config.json" in good.stdout
+    one_error_line(bad, "'hidden_size' must be int")
+    one_error_line(missing, f"config file not found: {directory / 'none.json'}")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -24,11 +24,11 @@ from safetensors import safe_open
 import dsv3_jax
 from dsv3_jax.checkpoint.load import ReferenceLayoutIndex
 from dsv3_jax.checkpoint.safetensors import SafetensorsFile, TensorIndex, save_file
+from chat_calls import python_each
 from fp8_checkpoints import quantize_block_wise
 from hf_models import hf_model, save
 from kernel_checks import kernel_twins
 
-REPO = Path(__file__).resolve().parents[1]
 BLOCK = 128
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -132,10 +132,10 @@ def reference_json(source: Path, destination: Path) -> Path:
     return destination
 
 
-def tool(name: str, *argv, module: bool = False) -> subprocess.CompletedProcess:
-    """Run a tool as `python convert/<name>.py` (the reference's way) or `python -m dsv3_jax.convert.<name>`."""
-    command = [sys.executable, "-m", f"dsv3_jax.convert.{name}"] if module else [sys.executable, f"convert/{name}.py"]
-    return subprocess.run(command + [str(a) for a in argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+def tool(name: str, *argv, module: bool = False) -> tuple[tuple, str]:
+    """A tool's command line as `python convert/<name>.py` (the reference's way) or
+    `python -m dsv3_jax.convert.<name>`, for `command_lines`."""
+    return ((("-m", f"dsv3_jax.convert.{name}") if module else (f"convert/{name}.py",)) + argv), ""
 
 
 def run_main(name: str, *argv) -> None:
@@ -184,6 +184,28 @@ def reference_mp2(bf16_source, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "mp2"
     run_main("convert", "--hf-ckpt-path", bf16_source, "--save-path", out, "--n-experts", 8, "--model-parallel", 2)
     return out
+
+
+@pytest.fixture(scope="module")
+def command_lines(bf16_source, fp8_source, tmp_path_factory) -> dict[str, tuple]:
+    """The tools run from the command line: per test, its paths and what each of its runs gave. All
+    in one process (chat_calls.python_each: one start for all, each run as Python runs the command)."""
+    root = tmp_path_factory.mktemp("command_lines")
+    v2 = make_source(root / "v2", "v2", fp8=False, files=2)
+    truncated = corrupt(bf16_source, root / "truncated", truncate)
+    (root / "failure").mkdir()
+    runs = {  # test -> its paths and command lines
+        "cast": (root / "cast", [tool("fp8_cast_bf16", "--input-fp8-hf-path", fp8_source,
+                                      "--output-bf16-hf-path", root / "cast")]),
+        "v2": ((v2, root / "v2_mp4", root / "v2_orbax"), [
+            tool("convert", "--hf-ckpt-path", v2, "--save-path", root / "v2_mp4", "--n-experts", 8,
+                 "--model-parallel", 4),
+            tool("to_orbax", "--hf-ckpt-path", v2, "--save-path", root / "v2_orbax", module=True)]),
+        "failure": (root / "failure" / "out", [tool("convert", "--hf-ckpt-path", truncated, "--save-path",
+                                                    root / "failure" / "out", "--n-experts", 8, "--model-parallel", 2)]),
+    }
+    results = iter(python_each(*(call for _, calls in runs.values() for call in calls)))
+    return {name: (paths, *[next(results) for _ in calls]) for name, (paths, calls) in runs.items()}
 
 
 # ------------------------------------------------------------------ convert.py: the reference layout
@@ -353,9 +375,8 @@ def test_orbax_fp8(fp8_source, fp8_logits, tmp_path):
 
 
 # ------------------------------------------------------------------ fp8_cast_bf16.py
-def test_cast_matches_float64_dequantisation(fp8_source, tmp_path):
-    out = tmp_path / "bf16"
-    result = tool("fp8_cast_bf16", "--input-fp8-hf-path", fp8_source, "--output-bf16-hf-path", out)
+def test_cast_matches_float64_dequantisation(fp8_source, command_lines):
+    out, result = command_lines["cast"]
     assert result.returncode == 0, result.stderr
     source, cast = TensorIndex(fp8_source), TensorIndex(out)
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -379,9 +400,11 @@ def test_cast_matches_float64_dequantisation(fp8_source, tmp_path):
     assert checked > 50
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert (out / "tokenizer.json").is_file()
-    # the cast checkpoint is a bf16 checkpoint that loads; bf16 compute of it equals bf16 compute of the fp8 source
-    bf16_logits = np.asarray(dsv3_jax.load(out, max_seq_len=64).forward(TOKENS))
-    fp8_logits = np.asarray(dsv3_jax.load(fp8_source, max_seq_len=64).forward(TOKENS))
+    # the cast checkpoint is a bf16 checkpoint that loads; bf16 compute of it equals bf16 compute of the
+    # fp8 source (whose weights the model dequantises with the kernel's jnp twin, as in logits())
+    with kernel_twins():
+        bf16_logits = np.asarray(dsv3_jax.load(out, max_seq_len=64).forward(TOKENS))
+        fp8_logits = np.asarray(dsv3_jax.load(fp8_source, max_seq_len=64).forward(TOKENS))
     np.testing.assert_allclose(bf16_logits, fp8_logits, rtol=0, atol=1e-6)
 
 
@@ -404,14 +427,11 @@ def test_cast_passes_through_a_weight_without_scale(fp8_source, tmp_path, capsys
 
 
 # ------------------------------------------------------------------ command line and failures
-def test_cli_forms_and_v2(tmp_path):
+def test_cli_forms_and_v2(command_lines, tmp_path):
     """Both invocation forms work; a DeepSeek-V2 checkpoint (no q-LoRA, softmax, no bias) converts and loads."""
-    source = make_source(tmp_path / "v2", "v2", fp8=False, files=2)
-    ref, orbax = tmp_path / "v2_mp4", tmp_path / "v2_orbax"
-    result = tool("convert", "--hf-ckpt-path", source, "--save-path", ref, "--n-experts", 8, "--model-parallel", 4)
-    assert result.returncode == 0, result.stderr
-    result = tool("to_orbax", "--hf-ckpt-path", source, "--save-path", orbax, module=True)
-    assert result.returncode == 0, result.stderr
+    (source, ref, orbax), *results = command_lines["v2"]
+    for result in results:
+        assert result.returncode == 0, result.stderr
     want = logits(source, 4)
     config = reference_json(source, tmp_path / "v2.json")
     np.testing.assert_array_equal(logits(ref, 4, config=str(config)), want)
@@ -419,8 +439,6 @@ def test_cli_forms_and_v2(tmp_path):
 
 
 def corrupt(source: Path, destination: Path, edit) -> Path:
-    import shutil
-
     shutil.copytree(source, destination)
     edit(destination)
     return destination
@@ -513,11 +531,9 @@ def test_failure_while_writing_leaves_nothing(fp8_source, tmp_path, monkeypatch,
     assert len(reads) == 40 and not out.exists() and leftovers(tmp_path) == []
 
 
-def test_failure_exit_code_from_the_command_line(bf16_source, tmp_path):
-    source = corrupt(bf16_source, tmp_path / "src", truncate)
-    result = tool("convert", "--hf-ckpt-path", source, "--save-path", tmp_path / "out", "--n-experts", 8,
-                  "--model-parallel", 2)
-    assert result.returncode == 1 and not (tmp_path / "out").exists()
+def test_failure_exit_code_from_the_command_line(command_lines):
+    out, result = command_lines["failure"]
+    assert result.returncode == 1 and not out.exists() and leftovers(out.parent) == []
     assert len(result.stderr.strip().splitlines()) == 1 and "truncated" in result.stderr
 
 

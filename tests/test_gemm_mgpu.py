@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from script_modules import load_script
-from kernel_checks import BF16_ROUNDING, FP8, activations, fp8_weight, gemm_tolerance, numpy_gemm, rel_l2
+from kernel_checks import BF16_ROUNDING, FP8, activations, fp8_weight, gemm_tolerance, kernel_twins, numpy_gemm, rel_l2
 from pallas_kernels import act_quant, fp8_gemm
 from pallas_kernels import gemm as GM
 from pallas_kernels.gemm_mgpu import MosaicGemmConfig, default_mosaic_config, fp8_gemm_mosaic_2d
@@ -36,8 +36,12 @@ WGMMA_FP8_REL_L2 = 8 * 2.0**-14
 
 
 def operands(rng, lead, n, k, scale_fmt=None):
-    """(a, a_s, b, b_s) as the model makes them; ue8m0: power-of-two scales on both sides."""
-    a, a_s = act_quant(activations(rng, (*lead, k), special_blocks=False), scale_fmt=scale_fmt)
+    """(a, a_s, b, b_s) as the model makes them; ue8m0: power-of-two scales on both sides. Off a
+    GPU, act_quant computes its jnp twin (the same bits, tests/test_kernels.py), not the interpreted
+    kernel: the GEMM is the subject here."""
+    x = activations(rng, (*lead, k), special_blocks=False)
+    with kernel_twins("quantize"):
+        a, a_s = jax.jit(functools.partial(act_quant, scale_fmt=scale_fmt))(x)
     b, b_s = fp8_weight(rng, n, k)
     if scale_fmt == "ue8m0":
         b_s = jnp.exp2(jnp.round(jnp.log2(b_s)))
@@ -48,7 +52,7 @@ def check(c, a, a_s, b, b_s, out_dtype):
     """c (interpret mode) against the jnp twin (the same float32 math: only the order of additions
     differs) and float64 numpy, within kernel_checks.gemm_tolerance (measured ~5e-8 in float32)."""
     assert c.shape == (*a.shape[:-1], b.shape[0]) and c.dtype == jnp.dtype(out_dtype)
-    twin = fp8_gemm_ref(a, a_s, b, b_s, out_dtype=jnp.float32)
+    twin = jax.jit(fp8_gemm_ref, static_argnames="out_dtype")(a, a_s, b, b_s, out_dtype=jnp.float32)
     assert rel_l2(c, twin) < gemm_tolerance(out_dtype, interpret=True)
     assert rel_l2(c, numpy_gemm(a, a_s, b, b_s)) < gemm_tolerance(out_dtype, interpret=True)
 

@@ -6,6 +6,8 @@ is lowered for CUDA, which runs Mosaic GPU's layout inference and checks on the 
 With -m gpu: compiled at the V2-Lite prefill and a V3 expert shape, against rows recomputed in
 float32 (HIGHEST) from their own expert's weights.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,13 +28,24 @@ WS_M = MosaicTiles(block_m=64, block_n=128, max_concurrent_steps=2, compute_wgs=
 def _inputs(sizes, n, k, extra_rows, layers=None, seed=0):
     """x (M, K), w (G, N, K) or (layers, G, N, K), bf16 normals drawn on the default device (a V3
     weight stack is billions of values), group_sizes and a row_scale in [0.1, 1)."""
-    kx, kw, ks = jax.random.split(jax.random.key(seed), 3)
     m = sum(sizes) + extra_rows
-    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     shape = (len(sizes), n, k) if layers is None else (layers, len(sizes), n, k)
-    w = jax.random.normal(kw, shape, jnp.bfloat16)
-    row_scale = jax.random.uniform(ks, (m,), jnp.float32, 0.1, 1.0)
+    x, w, row_scale = _draw(seed, m, k, shape)
     return x, w, jnp.array(sizes, jnp.int32), row_scale
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _draw(seed, m, k, w_shape):
+    """_inputs' random arrays, drawn in one program: x, w, row_scale."""
+    kx, kw, ks = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(kx, (m, k), jnp.bfloat16), jax.random.normal(kw, w_shape, jnp.bfloat16),
+            jax.random.uniform(ks, (m,), jnp.float32, 0.1, 1.0))
+
+
+def _jit(fn, **static):
+    """fn with the keyword arguments `static` fixed, compiled as one program (as the model calls
+    it, and one compilation instead of one per operation)."""
+    return jax.jit(functools.partial(fn, **static))
 
 
 def _assert_close(got, want, tol):
@@ -49,9 +62,9 @@ def _assert_close(got, want, tol):
 ])
 def test_interpret_matches_ragged_dot(sizes, extra_rows, tiles):
     x, w, group_sizes, _ = _inputs(sizes, 256, 256, extra_rows)
-    got = grouped_gemm_mgpu(x, w, group_sizes, tiles=tiles)
+    got = _jit(grouped_gemm_mgpu, tiles=tiles)(x, w, group_sizes)
     total = sum(sizes)
-    _assert_close(got[:total], grouped_gemm_ref(x, w, group_sizes)[:total], 1e-5)
+    _assert_close(got[:total], _jit(grouped_gemm_ref)(x, w, group_sizes)[:total], 1e-5)
     assert not np.any(np.asarray(got[total:])), "rows past the groups must be zero"
 
 
@@ -60,10 +73,10 @@ def test_interpret_layer_stack_row_scale_bf16_out(tiles):
     """A layer of a weight stack read in place, the routing weights on the accumulator, bf16 out,
     rows past the groups: with one warpgroup and warp-specialised."""
     x, w, group_sizes, row_scale = _inputs([0, 70, 1, 150], 256, 256, 27, layers=3, seed=1)
-    got = grouped_gemm_mgpu(x, w, group_sizes, layer=jnp.int32(2), row_scale=row_scale,
-                            out_dtype=jnp.bfloat16, tiles=tiles)
+    got = _jit(grouped_gemm_mgpu, out_dtype=jnp.bfloat16, tiles=tiles)(x, w, group_sizes, layer=jnp.int32(2),
+                                                                     row_scale=row_scale)
     assert got.dtype == jnp.bfloat16
-    want = grouped_gemm_ref(x, w[2], group_sizes, row_scale=row_scale)
+    want = _jit(grouped_gemm_ref)(x, w[2], group_sizes, row_scale=row_scale)
     _assert_close(got[:221], want[:221], 2e-2)  # bf16 rounding of the result
     assert not np.any(np.asarray(got[221:], np.float32))
 
@@ -80,15 +93,16 @@ def test_interpret_fp8_weights():
     past the groups; the oracle dequantises first (grouped_gemm_ref)."""
     x, w, group_sizes, row_scale = _inputs([0, 70, 1, 150], 256, 256, 29, layers=2, seed=4)
     w8, scale = _fp8(w, 5)
-    got = grouped_gemm_mgpu(x, w8, group_sizes, scale, layer=jnp.int32(1), row_scale=row_scale, tiles=SMALL)
-    _assert_close(got[:221], grouped_gemm_ref(x, w8[1], group_sizes, scale[1], row_scale=row_scale)[:221], 1e-5)
+    got = _jit(grouped_gemm_mgpu, tiles=SMALL)(x, w8, group_sizes, scale, layer=jnp.int32(1), row_scale=row_scale)
+    want = _jit(grouped_gemm_ref)(x, w8[1], group_sizes, scale[1], row_scale=row_scale)
+    _assert_close(got[:221], want[:221], 1e-5)
     assert not np.any(np.asarray(got[221:]))
 
 
 def test_grouped_gemm_backend_mosaic_runs_the_mgpu_kernel():
     x, w, group_sizes, row_scale = _inputs([0, 70, 1, 185], 128, 128, 0, seed=2)
-    got = grouped_gemm(x, w, group_sizes, row_scale=row_scale, backend="mosaic", mosaic_tiles=SMALL)
-    _assert_close(got, grouped_gemm_ref(x, w, group_sizes, row_scale=row_scale), 1e-5)
+    got = _jit(grouped_gemm, backend="mosaic", mosaic_tiles=SMALL)(x, w, group_sizes, row_scale=row_scale)
+    _assert_close(got, _jit(grouped_gemm_ref)(x, w, group_sizes, row_scale=row_scale), 1e-5)
 
 
 def _lower_for_cuda(fn, *args):
@@ -140,7 +154,7 @@ def test_aligned_tile_schedule_covers_each_row_once():
     rng = np.random.default_rng(3)
     for sizes, m, bm in [([0, 70, 1, 185], 256, 64), ([5, 0, 120, 3, 131], 259, 64), ([300], 300, 128),
                          (list(rng.multinomial(1000, np.ones(16) / 16)), 1000, 128)]:
-        schedule, max_tiles = aligned_tile_schedule(jnp.array(sizes, jnp.int32), m, bm)
+        schedule, max_tiles = _jit(aligned_tile_schedule, m=m, block_m=bm)(jnp.array(sizes, jnp.int32))
         group, block, lo, hi, exists, _ = np.asarray(schedule)
         owner = np.full(m, -1)
         for t in np.flatnonzero(exists):
