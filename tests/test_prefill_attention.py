@@ -62,17 +62,19 @@ def test_flash_prefill_chunks_match_hf(checkpoint, attn_impl, devices):
 
 
 def test_rows_at_unequal_positions(checkpoint):
-    """One call with rows at positions 0 and 45 equals each row run alone (flash and dense alike)."""
+    """One call with rows at positions 0 and 45 equals each row run alone (flash and dense alike). Both
+    chunks are 70 tokens (past the 64-key block), ending in the same 128-position window: the two rows
+    alone run one compiled step."""
     _, directory = checkpoint
     tokens = np.random.default_rng(23).integers(0, 512, size=(2, 120))
     for prefill_attn in ("jnp", "dense"):
         model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=256,
                               prefill_attn=prefill_attn)
         model.forward(tokens[1:2, :45], 0)
-        alone_1 = np.asarray(model.forward(tokens[1:2, 45:85], 45))[0]
-        alone_0 = np.asarray(model.forward(tokens[0:1, :40], 0))[0]
+        alone_1 = np.asarray(model.forward(tokens[1:2, 45:115], 45))[0]
+        alone_0 = np.asarray(model.forward(tokens[0:1, :70], 0))[0]
         model.forward(np.stack([tokens[1, :45], tokens[1, :45]]), 0)  # row 1's cache holds its first 45
-        together = np.asarray(model.forward(np.stack([tokens[0, :40], tokens[1, 45:85]]), start_pos=[0, 45]))
+        together = np.asarray(model.forward(np.stack([tokens[0, :70], tokens[1, 45:115]]), start_pos=[0, 45]))
         assert np.abs(together - np.stack([alone_0, alone_1])).max() <= 2e-5, prefill_attn
 
 

@@ -2,7 +2,9 @@
 
 One server (the tiny model, float32, 64 rows, continuous batching with 16-token prefill chunks)
 runs in a thread for the module; its greedy outputs are checked against `generate` on a separate
-copy of the model, one prompt at a time. The CLI entry is started once as a subprocess.
+copy of the model, one prompt at a time. The CLI entry is started once as a subprocess, with the
+thread's settings (SERVER_FLAGS), so that it finds the thread's decode steps in the session's
+compilation cache.
 """
 import asyncio
 import json
@@ -26,6 +28,7 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
 import dsv3_jax  # noqa: E402
+from dsv3_jax.cli.serve import load, main, parse_args  # noqa: E402
 from dsv3_jax.decode.generate import generate  # noqa: E402
 from dsv3_jax.decode.sampling import distribution  # noqa: E402
 from dsv3_jax.serving.app import Limits, Service, make_app  # noqa: E402
@@ -38,6 +41,12 @@ MAX_SEQ_LEN, ROWS, MAX_QUEUE, MAX_BODY = 128, 64, 8, 64 * 1024
 PROMPTS = ["Hello there", "Tell me about the weather and the sea, and then about music and cooking, please.",
            "What is 3 plus 4?", "Hi", "A language model predicts the next token. Attention lets a token look at",
            "Good evening, Ada.", "The piano has", "Describe a red lamp."]
+# The server's settings as dsv3-serve flags: the CLI's process decodes with the thread's steps. Only its
+# prefill chunk differs: the thread's 16 tokens (prompts take several chunks) is below the flag's range.
+SERVER_FLAGS = ["--tiny", "--compute-dtype", "float32", "--num-devices", "1", "--max-batch-size", str(ROWS),
+                "--max-seq-len", str(MAX_SEQ_LEN), "--prefill-rows", "4", "--decode-buckets", str(ROWS),
+                "--min-window", str(MAX_SEQ_LEN)]
+PREFILL_CHUNK = 16
 
 
 def serve_in_thread(service: Service):
@@ -54,10 +63,12 @@ def serve_in_thread(service: Service):
 
 @pytest.fixture(scope="module")
 def server():
-    model = dsv3_jax.load(TINY, max_batch_size=ROWS, max_seq_len=MAX_SEQ_LEN, compute_dtype="float32")
-    tokenizer = Tokenizer.from_dir(TINY)
-    engine = Engine(model, chunk=16, prefill_rows=4, buckets=(ROWS,), min_window=MAX_SEQ_LEN)
-    service = Service(model, tokenizer, engine, model_name="tiny", max_queue=MAX_QUEUE,
+    args = parse_args(SERVER_FLAGS)
+    model, tokenizer, name = load(args)
+    assert name == "tiny" and model.args.max_batch_size == ROWS and model.options.compute_dtype == "float32"
+    engine = Engine(model, chunk=PREFILL_CHUNK, prefill_rows=args.prefill_rows, buckets=args.decode_buckets,
+                    min_window=args.min_window)
+    service = Service(model, tokenizer, engine, model_name=name, max_queue=MAX_QUEUE,
                       limits=Limits(max_body_bytes=MAX_BODY))
     uv, thread, url = serve_in_thread(service)
     yield service, url
@@ -354,8 +365,7 @@ def test_cli_serves_the_tiny_model():
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    process = subprocess.Popen([sys.executable, "-m", "dsv3_jax.serve", "--tiny", "--port", str(port),
-                                "--max-seq-len", "128", "--max-batch-size", "2", "--min-window", "128"],
+    process = subprocess.Popen([sys.executable, "-m", "dsv3_jax.serve", *SERVER_FLAGS, "--port", str(port)],
                                cwd=ROOT, env=dict(os.environ), stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -367,7 +377,9 @@ def test_cli_serves_the_tiny_model():
             except httpx.TransportError:
                 assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
                 time.sleep(0.2)
-        stream = client(url).completions.create(model="tiny", prompt="Hello", max_tokens=4, stream=True)
+        # greedy: the thread's server compiled that decode step (test_greedy_completions_...)
+        stream = client(url).completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0,
+                                                stream=True)
         assert len(list(stream)) >= 2
     finally:
         process.terminate()
@@ -375,14 +387,13 @@ def test_cli_serves_the_tiny_model():
     assert "model name 'tiny'" in process.stderr.read()
 
 
-def test_cli_rejects_bad_flags():
-    result = subprocess.run([sys.executable, "-m", "dsv3_jax.serve", "--max-batch-size", "0"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "--max-batch-size must be at least 1" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "dsv3_jax.serve", "--ckpt-path", "/nonexistent"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 1 and "does not exist" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "dsv3_jax.serve", "--tiny", "--mtp"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 1 and len(lines) == 1 and "holds no multi-token-prediction (MTP) layer" in lines[0]
+def test_cli_rejects_bad_flags(capfd):
+    """dsv3-serve's main (what `python -m dsv3_jax.serve` exits with) in this process, one jax start for the
+    three: a bad flag, a missing checkpoint and --mtp on a model without an MTP layer, each refused before
+    any weight is read, with one line on stderr (capfd: the file descriptor, as a process's stderr)."""
+    with pytest.raises(SystemExit) as exit:
+        main(["--max-batch-size", "0"])
+    assert exit.value.code == 2 and "--max-batch-size must be at least 1" in capfd.readouterr().err
+    assert main(["--ckpt-path", "/nonexistent"]) == 1 and "does not exist" in capfd.readouterr().err
+    status, lines = main(["--tiny", "--mtp"]), capfd.readouterr().err.strip().splitlines()
+    assert status == 1 and len(lines) == 1 and "holds no multi-token-prediction (MTP) layer" in lines[0]
