@@ -23,11 +23,7 @@ from dsv3_jax.model.rope import inverse_frequencies, rotary_angles
 from dsv3_jax.options import StepContext
 from dsv3_jax.sharding import partition_specs
 from hf_models import V3_TINY, hf_model, save
-from sampling_oracle import filtered
-
-
-def tiny_args(vocab: int = 8, **overrides) -> ModelArgs:
-    return ModelArgs.from_hf_config({**V3_TINY, "vocab_size": vocab, "num_nextn_predict_layers": 1, **overrides})
+from mtp_models import SAMPLING_ROWS, SAMPLING_SEQ, VOCAB, build_tiny_mtp, three_token_distribution
 
 
 # ------------------------------------------------------------------ the module against HF, loaded from HF
@@ -105,11 +101,21 @@ def our_mtp_logits(model, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(run(model.state, model.cache, jnp.asarray(tokens, jnp.int32)))
 
 
+def load_with_mtp(directory: Path, devices: int):
+    return dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=64, mtp=True,
+                         num_devices=devices)
+
+
+@pytest.fixture(scope="module")
+def hf_mtp_model(hf_mtp_dir):
+    """The HF directory's model with its MTP module on one device, loaded once for the module."""
+    return load_with_mtp(hf_mtp_dir[2], 1)
+
+
 @pytest.mark.parametrize("devices", [1, 4])
-def test_mtp_logits_equal_hf_statement(hf_mtp_dir, devices):
+def test_mtp_logits_equal_hf_statement(hf_mtp_dir, hf_mtp_model, devices):
     hf, extra, directory = hf_mtp_dir
-    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=64, mtp=True,
-                          num_devices=devices)
+    model = hf_mtp_model if devices == 1 else load_with_mtp(directory, devices)
     tokens = np.random.default_rng(1).integers(0, 64, (2, 12))
     expected = hf_mtp_logits(hf, extra, tokens)
     got = our_mtp_logits(model, tokens)
@@ -230,41 +236,32 @@ def numpy_mtp_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
     return np_rms(y, T[p + "shared_head.norm.weight"]) @ T["lm_head.weight"].T
 
 
-def test_mtp_logits_equal_float64_numpy_statement(hf_mtp_dir):
-    _, _, directory = hf_mtp_dir
-    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=64, mtp=True)
+def test_mtp_logits_equal_float64_numpy_statement(hf_mtp_dir, hf_mtp_model):
     tokens = np.random.default_rng(2).integers(0, 64, (2, 12))
-    expected = numpy_mtp_logits(directory, tokens)
-    got = our_mtp_logits(model, tokens)
+    expected = numpy_mtp_logits(hf_mtp_dir[2], tokens)
+    got = our_mtp_logits(hf_mtp_model, tokens)
     # measured: 9e-7 of the largest logit (float32 compute, routing as in the reference)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
 # ------------------------------------------------------------------ greedy identity
-def build_spec_model(num_devices: int):
-    # 5 cache rows for batches of 4: every call also runs the rows-below-max_batch_size path
-    return dsv3_jax.build(tiny_args().replace(max_batch_size=5, max_seq_len=48), mtp=True, compute_dtype="float32",
-                          seed=3, num_devices=num_devices)
-
-
 @pytest.fixture(scope="module", params=[1, 4], ids=["1dev", "4dev"])
 def spec_model(request):
-    return build_spec_model(request.param)
-
-
-@pytest.fixture(scope="module")
-def spec_model_one_device():
-    return build_spec_model(1)
+    """The random MTP model of the greedy and chunked-prefill tests, which share its compiled steps.
+    5 cache rows for batches of 4: every call also runs the rows-below-max_batch_size path; max_seq_len
+    150 is not a power of two: prompt buckets are capped at it, and chunks of 64 end with one that
+    redoes part of the one before."""
+    return build_tiny_mtp(max_batch_size=5, max_seq_len=150, num_devices=request.param)
 
 
 def test_greedy_output_is_identical_with_mtp(spec_model):
-    """Three calls of one batch size, so that each function compiles for at most two prompt buckets
-    (32 and 48 tokens), not once per case."""
+    """Three calls of one batch size and one prompt bucket (150, max_seq_len) with one window, so that
+    each function compiles once, not once per case (the chunked-prefill test's one-step side reuses them)."""
     rng = np.random.default_rng(0)
     total = dict(drafts=0, accepted=0)
-    cases = [([3, 9, 17, 5], 30, -1),  # unequal prompts, whole budgets (total_len 47)
-             ([40, 2, 44, 30], 20, -1),  # budgets cut by max_seq_len = 48: 8, 20, 4, 18 (and 2-token steps at the end)
-             ([20, 11, 7, 47], 30, 5)]  # eos; the last prompt one short of max_seq_len (a budget of 1)
+    cases = [([105, 111, 129, 107], 21, -1),  # unequal prompts, whole budgets (total_len 150)
+             ([142, 130, 146, 132], 20, -1),  # budgets cut by max_seq_len = 150: 8, 20, 4, 18 (and 2-token steps at the end)
+             ([122, 113, 109, 149], 30, 5)]  # eos; the last prompt one short of max_seq_len (a budget of 1)
     for lengths, new, eos in cases:
         prompts = [rng.integers(0, 8, n).tolist() for n in lengths]
         stats = {}
@@ -284,29 +281,23 @@ def test_greedy_output_is_identical_with_mtp(spec_model):
 
 
 # ------------------------------------------------------------------ sampling keeps the main model's distribution
+@pytest.fixture(scope="module")
+def sampling_model():
+    return build_tiny_mtp(SAMPLING_ROWS, SAMPLING_SEQ)
+
+
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 0.8)], ids=["unfiltered", "top_k_top_p"])
-def test_sampled_tokens_follow_the_main_model(spec_model_one_device, top_k, top_p):
+def test_sampled_tokens_follow_the_main_model(sampling_model, top_k, top_p):
     """Draft q and target p are both the filtered distributions; min(1, p/q) acceptance with the
     normalize(max(p - q, 0)) residual is exact for any pair, so the output is the main model's
-    filtered distribution (one device: the statistics do not depend on the split)."""
-    spec_model = spec_model_one_device
-    vocab, prompt, temperature = 8, [1, 5, 2], 1.0
-
-    def probs(tokens):
-        logits = np.asarray(spec_model.forward(np.array([tokens]))).astype(np.float64)[0] / temperature
-        p = np.exp(logits - logits.max())
-        return filtered(p / p.sum(), top_k, top_p)
-
-    p1 = probs(prompt)
-    joint = np.array([[p1[a] * q for q in probs(prompt + [a])] for a in range(vocab)])  # (t1, t2)
-    third = np.zeros(vocab)
-    for a in range(vocab):
-        for b in range(vocab):
-            third += joint[a, b] * probs(prompt + [a, b])
-    counts, third_counts, runs = np.zeros((vocab, vocab)), np.zeros(vocab), 300
+    filtered distribution (one device: the statistics do not depend on the split). 1200 completions:
+    20 seeds of 60 rows."""
+    prompt, rows, runs = [1, 5, 2], 60, 20
+    joint, third = three_token_distribution(sampling_model, prompt, top_k, top_p)
+    counts, third_counts = np.zeros((VOCAB, VOCAB)), np.zeros(VOCAB)
     for seed in range(runs):
-        for row in spec_model.generate([prompt] * 4, 3, eos_id=-1, temperature=temperature, seed=seed, mtp=True,
-                                      top_k=top_k, top_p=top_p):
+        for row in sampling_model.generate([prompt] * rows, 3, eos_id=-1, temperature=1.0, seed=seed, mtp=True,
+                                           top_k=top_k, top_p=top_p):
             counts[row[0], row[1]] += 1
             third_counts[row[2]] += 1
     n = counts.sum()
@@ -345,18 +336,16 @@ def assert_same_mtp_model(expected: dict, other):
 
 
 @pytest.fixture(scope="module")
-def hf_mtp_outputs(hf_mtp_dir):
+def hf_mtp_outputs(hf_mtp_model):
     """reference_outputs of the HF directory's model on one device (made once for the module)."""
-    return reference_outputs(dsv3_jax.load(hf_mtp_dir[2], compute_dtype="float32", max_batch_size=2, max_seq_len=64,
-                                           mtp=True))
+    return reference_outputs(hf_mtp_model)
 
 
 def test_orbax_conversion_keeps_the_mtp_layer(hf_mtp_dir, hf_mtp_outputs, tmp_path):
     from dsv3_jax.convert.to_orbax import to_orbax
 
     to_orbax(hf_mtp_dir[2], tmp_path / "orbax")
-    converted = dsv3_jax.load(tmp_path / "orbax", compute_dtype="float32", max_batch_size=2, max_seq_len=64,
-                              mtp=True)
+    converted = load_with_mtp(tmp_path / "orbax", 1)
     assert converted.has_mtp
     assert_same_mtp_model(hf_mtp_outputs, converted)
 
@@ -385,21 +374,18 @@ def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_outp
     if ranks == 1:
         expected = hf_mtp_outputs
     else:  # bitwise: against the HF directory's model on as many devices
-        expected = reference_outputs(dsv3_jax.load(directory, mtp=True, num_devices=ranks, compute_dtype="float32",
-                                                   max_batch_size=2, max_seq_len=64))
+        expected = reference_outputs(load_with_mtp(directory, ranks))
     assert_same_mtp_model(expected, converted)
 
 
 # ------------------------------------------------------------------ chunked prefill
-@pytest.mark.parametrize("devices", [1, 4])
-def test_greedy_output_is_identical_with_mtp_and_chunked_prefill(devices):
+def test_greedy_output_is_identical_with_mtp_and_chunked_prefill(spec_model):
     """max_seq_len 150 (not a power of two): the bucket of a 140-token prompt is 150, chunks of 64 start at
     0, 64 and 86 (the last one redoing part of the one before); rows end inside a chunk, just before and at a
     chunk boundary and inside the redone part, so each row's first token and draft come from a different chunk.
     The main model's and the MTP module's windows (one position later) differ in two chunks: 64 | 128 and
     128 | 150, then 150 | 150 (each a compilation: the few a bucket needs)."""
-    whole = dsv3_jax.build(tiny_args().replace(max_batch_size=4, max_seq_len=150), mtp=True, compute_dtype="float32",
-                           seed=3, num_devices=devices)
+    whole = spec_model
     chunked = dsv3_jax.Model(whole.args, whole.graphdef, whole.state, whole.mesh,
                              dsv3_jax.RunOptions.make(whole.options, prefill_chunk=64))
     assert [tuple(c) for c in prefill_chunks(150, 64, 150)] == [(0, 64, 128), (64, 128, 150), (86, 150, 150)]

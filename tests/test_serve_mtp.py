@@ -2,7 +2,6 @@
 without `SpeculativeEngine` in one process, their greedy answers against `generate` one prompt at
 a time; and the speculative engine's sampled tokens against the main model's exact distribution."""
 import asyncio
-import json
 import zlib
 from pathlib import Path
 
@@ -15,14 +14,13 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
 import dsv3_jax  # noqa: E402
-from dsv3_jax.config import ModelArgs  # noqa: E402
 from dsv3_jax.decode.generate import generate  # noqa: E402
 from dsv3_jax.serving.app import Service  # noqa: E402
 from dsv3_jax.serving.engine import Engine  # noqa: E402
 from dsv3_jax.serving.plan import DecodeRow, PrefillRow, RowParams, StepPlan  # noqa: E402
 from dsv3_jax.serving.speculative import SpeculativeEngine  # noqa: E402
 from dsv3_jax.tokenizer import Tokenizer  # noqa: E402
-from sampling_oracle import filtered  # noqa: E402
+from mtp_models import SAMPLING_ROWS, SAMPLING_SEQ, VOCAB, build_tiny_mtp, three_token_distribution  # noqa: E402
 from test_serve import serve_in_thread  # noqa: E402
 
 ASSETS = Path(dsv3_jax.__file__).parent / "assets"
@@ -117,23 +115,10 @@ def test_speculative_rows_sample_the_main_models_distribution():
     """64 rows, half unfiltered and half with top_k 4 / top_p 0.8 (one batch, per-row filters), each
     with its own seed: the first three tokens (the prefill's, then one or two per speculative step)
     against the exact joint distribution of the main model (float64 from its logits), by chi-square."""
-    config = json.loads((ASSETS / "tiny" / "config.json").read_text())
-    args = ModelArgs.from_hf_config({**config, "vocab_size": 8, "num_nextn_predict_layers": 1})
-    model = dsv3_jax.build(args.replace(max_batch_size=64, max_seq_len=64), mtp=True, compute_dtype="float32", seed=3)
-    vocab, prompt, rows = 8, (1, 5, 2), 64
+    model = build_tiny_mtp(SAMPLING_ROWS, SAMPLING_SEQ)
+    vocab, prompt, rows = VOCAB, (1, 5, 2), SAMPLING_ROWS
     filters = [(0, 1.0), (4, 0.8)]
-
-    def probs(tokens, top_k, top_p):
-        logits = np.asarray(model.forward(np.array([tokens]))).astype(np.float64)[0]
-        p = np.exp(logits - logits.max())
-        return filtered(p / p.sum(), top_k, top_p)
-
-    expected = []
-    for top_k, top_p in filters:
-        p1 = probs(list(prompt), top_k, top_p)
-        joint = np.array([[p1[a] * q for q in probs(list(prompt) + [a], top_k, top_p)] for a in range(vocab)])
-        third = sum(joint[a, b] * probs(list(prompt) + [a, b], top_k, top_p) for a in range(vocab) for b in range(vocab))
-        expected.append((joint, third))
+    expected = [three_token_distribution(model, prompt, top_k, top_p) for top_k, top_p in filters]
     engine = SpeculativeEngine(model, chunk=16, prefill_rows=rows, min_window=64)
     counts = [(np.zeros((vocab, vocab)), np.zeros(vocab)) for _ in filters]
     for round_ in range(24):

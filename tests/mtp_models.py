@@ -1,0 +1,47 @@
+"""The tiny random model with an MTP module that the speculative-decoding tests share, and the exact
+distribution of the first three tokens it samples.
+
+One config, seed and dtype for all of them, so that the random initialisation (a compiled program
+that does not depend on max_batch_size or max_seq_len) compiles once for the session; the sampling
+tests also share the sizes (SAMPLING_ROWS, SAMPLING_SEQ), so their forward steps compile once too."""
+import json
+from pathlib import Path
+
+import numpy as np
+
+import dsv3_jax
+from dsv3_jax.config import ModelArgs
+from sampling_oracle import filtered
+
+TINY_CONFIG = Path(dsv3_jax.__file__).parent / "assets" / "tiny" / "config.json"
+VOCAB = 8  # small enough for the exact joint distribution of two tokens (VOCAB ** 2 outcomes)
+SAMPLING_ROWS, SAMPLING_SEQ = 64, 64  # the sampling tests' model: max_batch_size, max_seq_len
+
+
+def tiny_mtp_args() -> ModelArgs:
+    """The tiny checkpoint's config with a vocabulary of VOCAB tokens and one MTP layer."""
+    config = json.loads(TINY_CONFIG.read_text())
+    return ModelArgs.from_hf_config({**config, "vocab_size": VOCAB, "num_nextn_predict_layers": 1})
+
+
+def build_tiny_mtp(max_batch_size: int, max_seq_len: int, num_devices: int = 1):
+    """A random model of `tiny_mtp_args` with its MTP module (seed 3, float32)."""
+    args = tiny_mtp_args().replace(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    return dsv3_jax.build(args, mtp=True, compute_dtype="float32", seed=3, num_devices=num_devices)
+
+
+def three_token_distribution(model, prompt, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The main model's exact filtered distributions (temperature 1, float64 from its logits) of what
+    it samples after `prompt`: the first two tokens jointly (VOCAB, VOCAB) and the third (VOCAB,).
+    One `Model.forward` per prefix length, every prefix of that length a row (VOCAB ** 2 <= max_batch_size)."""
+    def probs(prefixes):
+        logits = np.asarray(model.forward(np.array(prefixes))).astype(np.float64)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        return np.stack([filtered(row / row.sum(), top_k, top_p) for row in p])
+
+    prompt = list(prompt)
+    first = probs([prompt])[0]
+    second = probs([prompt + [a] for a in range(VOCAB)])  # [a, b]: of b after a
+    third = probs([prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)]).reshape(VOCAB, VOCAB, VOCAB)
+    joint = first[:, None] * second
+    return joint, np.einsum("ab,abc->c", joint, third)
