@@ -21,6 +21,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 from pathlib import Path
 
+# Imported before anything is traced: the first Pallas kernel run in interpret mode imports this
+# module, whose config option joins every jitted function's trace context, so each function traced
+# before it would be traced (and looked up in the compilation cache) once more after it.
+import jax.experimental.pallas.fuser  # noqa: F401
 import numpy as np
 import pytest
 

@@ -6,12 +6,14 @@ shard_map does not check varying axes); the kernels alone are checked in tests/t
 and in the model on the GPU by tests/test_moe_paths_gpu.py and tests/test_layer_mix_gpu.py."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 import dsv3_jax
 from dsv3_jax.sharding import make_mesh
 from kernel_checks import kernel_twins
+from zero_models import model_shapes
 
 # Every model here runs the dense layers' fp8 kernels (Linear: act_quant, fp8_gemm, weight_dequant)
 # as their jnp twins (tests/test_kernels.py proves the kernels equal to them: bit for bit, or within
@@ -49,15 +51,21 @@ def prefill_and_decode(model, steps: int = 1) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def ragged():
     """ragged(num_devices, weights, gemm_impl, compute_dtype) -> (model, its logits): the reference,
-    built and run once per configuration and shared by every implementation compared with it."""
-    built = {}
+    built and run once per configuration and shared by every implementation compared with it.
+    Its weights are those `dsv3_jax.build(tiny(weights), seed=0, ...)` makes under that
+    configuration: one random build per weight format (1 device, float32) placed on the mesh and
+    held in the configuration's dtypes (a build on another mesh, or in bfloat16, makes the same
+    numbers, there or rounded to bfloat16; its random init is a program per mesh and dtype)."""
+    built, random = {}, {}
 
     def get(num_devices: int, weights: str, gemm_impl: str, compute_dtype: str):
         key = (num_devices, weights, gemm_impl, compute_dtype)
         if key not in built:
             with kernel_twins(*DENSE_KERNELS):
-                model = dsv3_jax.build(tiny(weights), seed=0, num_devices=num_devices, gemm_impl=gemm_impl,
-                                       compute_dtype=compute_dtype, moe_impl="ragged")
+                if weights not in random:
+                    random[weights] = dsv3_jax.build(tiny(weights), seed=0, compute_dtype="float32", moe_impl="ragged")
+                model = same_weights(random[weights], make_mesh(num_devices), gemm_impl=gemm_impl,
+                                     compute_dtype=compute_dtype)
                 built[key] = model, prefill_and_decode(model)
         return built[key]
 
@@ -65,9 +73,13 @@ def ragged():
 
 
 def same_weights(model, mesh=None, **choices):
-    """`model`'s weights under other run options (and on another mesh)."""
-    return dsv3_jax.Model(model.args, model.graphdef, model.state, model.mesh if mesh is None else mesh,
-                          dsv3_jax.RunOptions.make(model.options, **choices))
+    """`model`'s weights under other run options (and on another mesh), each held in the dtype a
+    model of those options holds it in."""
+    options = dsv3_jax.RunOptions.make(model.options, **choices)
+    _, shapes = model_shapes(model.args, options.jnp_dtype)
+    # from the host (numpy), so that placing them on another mesh compiles no resharding
+    state = jax.tree.map(lambda weight, shape: np.asarray(weight).astype(shape.dtype), model.state, shapes)
+    return dsv3_jax.Model(model.args, model.graphdef, state, model.mesh if mesh is None else mesh, options)
 
 
 @pytest.mark.parametrize("impl", ["fused", "slots"])

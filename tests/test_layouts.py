@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 
 import dsv3_jax
+from dsv3_jax.decode.generate import MIN_PREFILL_BUCKET, prefill_chunk_step
+from dsv3_jax.model.cache import cache_window
 from dsv3_jax.sharding import PRESETS, Layout, make_mesh
 from script_modules import load_script
+from zero_models import zero_model
 
 TOL = 2e-5
 PROMPTS = [[5, 17, 300, 2, 9, 44, 101], [7, 7, 1], [400, 33, 8, 250, 3]]
@@ -27,11 +30,37 @@ def load(directory, **kwargs):
     return dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=4, max_seq_len=64, **kwargs)
 
 
+@pytest.fixture(scope="module")
+def on_four(v3):
+    """on_four(layout) -> the checkpoint on 4 devices under `layout`, loaded once for the module's tests."""
+    loaded = {}
+
+    def get(layout: str) -> dsv3_jax.Model:
+        if layout not in loaded:
+            loaded[layout] = load(v3, num_devices=4, layout=layout)
+        return loaded[layout]
+
+    return get
+
+
+def prefill_rows(model, tokens: np.ndarray) -> jax.Array:
+    """The logits at the last of `tokens` (rows of equal length, cached from position 0), through
+    the prefill step `generate` runs for PROMPTS (the rows right-padded to its 16-token bucket):
+    one compiled program serves both."""
+    rows, length = tokens.shape
+    padded = np.zeros((rows, MIN_PREFILL_BUCKET), np.int32)
+    padded[:, :length] = tokens
+    logits, model.cache = prefill_chunk_step(model.state, model.cache, padded, np.int32(0),
+                                             np.full(rows, length, np.int32), None, step=model.step,
+                                             kv_len=cache_window(MIN_PREFILL_BUCKET, model.args.max_seq_len))
+    return logits
+
+
 def logits_of(model) -> list[np.ndarray]:
     """A prefill of 3 rows, then decode steps with the rows at positions 6, 4 and 5 (row 1 going
     back over its own positions, row 2 too)."""
     tokens = np.random.default_rng(7).integers(0, 512, size=(3, 12))
-    out = [np.asarray(model.forward(tokens[:, :6], 0))]
+    out = [np.asarray(prefill_rows(model, tokens[:, :6]))]
     start = np.array([6, 4, 5])
     for i in range(3):
         out.append(np.asarray(model.forward(tokens[:, 6 + i: 7 + i], start + i)))
@@ -53,9 +82,9 @@ def max_diff(a, b) -> float:
 
 
 @pytest.mark.parametrize("layout", list(PRESETS))
-def test_layout_equals_one_device(v3, one_device, layout):
+def test_layout_equals_one_device(on_four, one_device, layout):
     """On 4 devices (2-way splits of each axis: test_two_dimensional_mesh; the same code)."""
-    model = load(v3, num_devices=4, layout=layout)
+    model = on_four(layout)
     assert model.layout.name == layout and model.mesh.devices.size == 4
     diff = max_diff(logits_of(model), one_device[0])
     print(f"{layout} on 4 devices: max |logit diff| vs 1 device = {diff:.2e}")
@@ -63,20 +92,20 @@ def test_layout_equals_one_device(v3, one_device, layout):
     assert completions_of(model) == one_device[1]
 
 
-def test_layouts_split_what_they_say(v3):
+def test_layouts_split_what_they_say(on_four):
     shard = lambda array: array.sharding.shard_shape(array.shape)  # noqa: E731
-    dp = load(v3, num_devices=4, layout="dp-attn")
+    dp = on_four("dp-attn")
     args = dp.args
     assert shard(dp.cache["kv"])[1] == 1  # 4 cache rows over 4 devices
-    # padded to 4 rows: the padding row writes no cache entry (logits_of's prefill shape: compiled once)
-    dp.forward(np.ones((3, 6), np.int32))
+    # 3 rows padded to 4: the padding row writes no cache entry
+    prefill_rows(dp, np.ones((3, 6), np.int32))
     assert np.abs(np.asarray(dp.cache["kv"])).sum(axis=(0, 2, 3)).tolist()[3] == 0
     wq_b = dp.state["moe_layers"]["attn"]["wq_b"]["weight"][...]
     assert shard(wq_b) == wq_b.shape  # attention replicated
     assert shard(dp.state["head"]["weight"][...]) == (args.vocab_size, args.dim)
     experts = dp.state["moe_layers"]["ffn"]["experts"]["w1"]["weight"][...]
     assert shard(experts)[1] == args.n_routed_experts // 4
-    tp = load(v3, num_devices=4, layout="tp")
+    tp = on_four("tp")
     assert shard(tp.cache["kv"]) == tp.cache["kv"].shape  # the latent cache replicated
     assert shard(tp.state["moe_layers"]["attn"]["wq_b"]["weight"][...])[1] == args.n_heads * args.qk_head_dim // 4
 
@@ -127,7 +156,7 @@ def test_bad_layouts_fail_clearly(v3):
     with pytest.raises(ValueError, match="unknown layout 'fsdp'"):
         Layout.preset("fsdp", ("model",), (2,))
     args = dsv3_jax.ModelArgs.from_file(v3 / "config.json").replace(max_batch_size=2, max_seq_len=32)
-    model = dsv3_jax.build(args, num_devices=2, layout="dp-attn", mtp=True, compute_dtype="float32")
+    model = zero_model(args, num_devices=2, layout="dp-attn", mtp=True, compute_dtype="float32")
     with pytest.raises(ValueError, match="MTP speculative decoding needs a layout that does not split the batch"):
         model.generate([[1, 2]], 2, eos_id=None, mtp=True)
 

@@ -1,12 +1,19 @@
 """The forward pass against Hugging Face transformers (float32, random weights), and its own invariants:
 naive == absorb, 1 device == 4 devices, cached decoding == a full forward, chunked == one-shot prefill."""
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import dsv3_jax
+from dsv3_jax.model.cache import allocate_cache
 from hf_models import hf_model, hf_step_logits, save
+from zero_models import zero_model
 
 PREFILL, STEPS, TOL = 7, 8, 1e-4
+# every loaded model has this one cache shape, so tests that run the same token shapes on a
+# checkpoint under the same options run one compiled step (and the cache is still bigger than
+# some calls' batch: test_per_row_start_positions runs single rows)
+MAX_BATCH, MAX_SEQ = 2, 32
 
 FAMILIES = {
     # sigmoid, groups + correction bias, q_lora > 0, YaRN on
@@ -37,6 +44,24 @@ def checkpoints(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def models(checkpoints):
+    """models(name, **choices) -> checkpoint `name` loaded (float32) with those `load` keywords,
+    once per module: the tests share each model and its compiled steps. Every test starts with a
+    prefill from position 0, which writes every cache position it then reads."""
+    loaded = {}
+
+    def get(name: str, num_devices: int = 1, **choices) -> dsv3_jax.Model:
+        options = dsv3_jax.RunOptions.make(**{"compute_dtype": "float32", **choices})
+        key = (name, num_devices, options)
+        if key not in loaded:
+            loaded[key] = dsv3_jax.load(checkpoints[name][1], options=options, num_devices=num_devices,
+                                        max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ)
+        return loaded[key]
+
+    return get
+
+
 def tokens_for(seed: int, batch: int = 2, length: int = PREFILL + STEPS) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 512, size=(batch, length))
 
@@ -53,36 +78,32 @@ def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_prefill_and_decode_match_hf(checkpoints, name):
-    hf, directory = checkpoints[name]
+def test_prefill_and_decode_match_hf(checkpoints, models, name):
+    hf, _ = checkpoints[name]
     tokens = tokens_for(1)
     expected = hf_step_logits(hf, tokens, PREFILL, STEPS)
-    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=4, max_seq_len=64)
-    got = run_steps(model, tokens, PREFILL, STEPS)
+    got = run_steps(models(name), tokens, PREFILL, STEPS)
     diff = max_diff(got, expected)
     print(f"{name}: max |logit diff| vs HF = {diff:.2e} (logit scale {np.abs(expected[0]).max():.2f})")
     assert diff <= TOL
 
 
 @pytest.mark.parametrize("name", ["v3", "v2"])
-def test_naive_absorb_kernel_and_four_devices_agree_with_hf(checkpoints, name):
-    hf, directory = checkpoints[name]
+def test_naive_absorb_kernel_and_four_devices_agree_with_hf(checkpoints, models, name):
+    hf, _ = checkpoints[name]
     tokens = tokens_for(2)
     expected = hf_step_logits(hf, tokens, PREFILL, STEPS)
     for attn_impl, devices, decode_attn in (("naive", 1, "xla"), ("absorb", 4, "xla"), ("naive", 4, "xla"),
                                             ("absorb", 1, "kernel"), ("absorb", 4, "kernel")):
-        model = dsv3_jax.load(directory, compute_dtype="float32", attn_impl=attn_impl, num_devices=devices,
-                              max_batch_size=2, max_seq_len=32, decode_attn=decode_attn)
+        model = models(name, attn_impl=attn_impl, num_devices=devices, decode_attn=decode_attn)
         assert model.mesh.devices.size == devices
         diff = max_diff(run_steps(model, tokens, PREFILL, STEPS), expected)
         print(f"{name} {attn_impl} ({decode_attn} decode) on {devices} devices: max |logit diff| vs HF = {diff:.2e}")
         assert diff <= TOL
 
 
-def test_four_devices_really_split(checkpoints):
-    _, directory = checkpoints["v3"]
-    model = dsv3_jax.load(directory, compute_dtype="float32", attn_impl="naive", num_devices=4, max_batch_size=2,
-                          max_seq_len=32)
+def test_four_devices_really_split(models):
+    model = models("v3", attn_impl="naive", num_devices=4, decode_attn="xla")
     args, state = model.args, model.state
     shard = lambda array: array.sharding.shard_shape(array.shape)  # noqa: E731
     assert shard(state["embed"]["weight"][...]) == (args.vocab_size // 4, args.dim)
@@ -95,62 +116,74 @@ def test_four_devices_really_split(checkpoints):
     assert shard(wo)[2] == args.n_heads * args.v_head_dim // 4
     assert shard(model.cache["k"])[3] == args.n_heads // 4
     assert len({d.id for d in experts.sharding.device_set}) == 4
+    # a step returns the cache split as a new cache is, the split its compiled program is keyed by
+    # (the same split named otherwise would trace and compile the next step again)
+    model.forward(tokens_for(0)[:, :1], 0)
+    new = allocate_cache(args, model.options.attn_impl, model.mesh, model.layout, model.options.jnp_dtype)
+    assert {name: array.sharding for name, array in model.cache.items()} == {
+        name: array.sharding for name, array in new.items()}
 
 
-@pytest.mark.parametrize("attn_impl", ["absorb", "naive"])
-def test_cached_decoding_equals_full_forward(checkpoints, attn_impl):
-    _, directory = checkpoints["v3"]
-    tokens = tokens_for(3, batch=3, length=14)
-    model = dsv3_jax.load(directory, compute_dtype="float32", attn_impl=attn_impl, max_batch_size=3, max_seq_len=32)
-    decoded = run_steps(model, tokens, 4, 10)
-    checked = (1, 5, 10)  # a full forward compiles per length: a sample of the steps keeps the test quick
-    full = [np.asarray(model.forward(tokens[:, : 4 + i], 0)) for i in checked]
+def full_forward(model, tokens: np.ndarray, length: int) -> np.ndarray:
+    """Logits at position length - 1 of one forward of all of `tokens` from position 0: causal,
+    they see tokens[:, :length] only, as a forward of that prefix would; every length runs the one
+    compiled step of the tokens' shape."""
+    batch = tokens.shape[0]
+    logits, model.cache = model.step(model.state, model.cache, jnp.asarray(tokens, jnp.int32),
+                                     jnp.zeros(batch, jnp.int32), jnp.full((batch,), length - 1, jnp.int32),
+                                     kv_len=model.args.max_seq_len)
+    return np.asarray(logits)
+
+
+# naive attention runs no decode kernel: "xla" names the model test_naive_absorb_kernel_... runs
+@pytest.mark.parametrize("attn_impl, decode_attn", [("absorb", "auto"), ("naive", "xla")], ids=["absorb", "naive"])
+def test_cached_decoding_equals_full_forward(models, attn_impl, decode_attn):
+    model = models("v3", attn_impl=attn_impl, decode_attn=decode_attn)
+    tokens = tokens_for(3)
+    decoded = run_steps(model, tokens, PREFILL, STEPS)
+    checked = (1, 5, 8)  # a sample of the steps
+    full = [full_forward(model, tokens, PREFILL + i) for i in checked]
     assert max_diff([decoded[i] for i in checked], full) <= 2e-5
 
 
-def test_chunked_prefill_from_nonzero_start(checkpoints):
-    _, directory = checkpoints["v2_groups_yarn"]
-    tokens = tokens_for(4, batch=2, length=20)
-    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=64)
+def test_chunked_prefill_from_nonzero_start(models):
+    model = models("v2_groups_yarn")
+    tokens = tokens_for(4, length=3 * PREFILL)
     one_shot = np.asarray(model.forward(tokens, 0))
-    model.forward(tokens[:, :6], 0)
-    model.forward(tokens[:, 6:13], 6)
-    chunked = np.asarray(model.forward(tokens[:, 13:], 13))
+    for start in range(0, tokens.shape[1], PREFILL):  # chunks at 0, 7 and 14
+        chunked = np.asarray(model.forward(tokens[:, start: start + PREFILL], start))
     assert np.abs(one_shot - chunked).max() <= 2e-5
 
 
-def test_per_row_start_positions(checkpoints):
+def test_per_row_start_positions(models):
     """Rows at different positions in one call equal each row run on its own."""
-    _, directory = checkpoints["v3"]
-    tokens = tokens_for(5, batch=2, length=16)
-    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=32)
+    model = models("v3")
+    tokens = tokens_for(5, length=16)
     alone = []
-    for row, split in ((0, 9), (1, 4)):
+    for row, split in ((0, PREFILL), (1, 3)):
         model.forward(tokens[row: row + 1, :split], 0)
         alone.append(np.asarray(model.forward(tokens[row: row + 1, split: split + 3], split))[0])
-    model.forward(tokens[:, :9], 0)  # row 1 then continues from 4, overwriting its positions 4..6
-    together = np.asarray(model.forward(np.stack([tokens[0, 9:12], tokens[1, 4:7]]), start_pos=[9, 4]))
+    model.forward(tokens[:, :PREFILL], 0)  # row 1 then continues from 3, overwriting its positions 3..5
+    together = np.asarray(model.forward(np.stack([tokens[0, PREFILL:PREFILL + 3], tokens[1, 3:6]]),
+                                        start_pos=[PREFILL, 3]))
     assert np.abs(together - np.stack(alone)).max() <= 2e-5
 
 
-def test_bfloat16_close_to_float32(checkpoints):
-    _, directory = checkpoints["v3"]
+def test_bfloat16_close_to_float32(models):
     tokens = tokens_for(6)
-    f32 = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=32)
-    bf16 = dsv3_jax.load(directory, compute_dtype="bfloat16", max_batch_size=2, max_seq_len=32)
+    f32, bf16 = models("v3"), models("v3", compute_dtype="bfloat16")
     a, b = np.asarray(f32.forward(tokens, 0)), np.asarray(bf16.forward(tokens, 0))
     assert b.dtype == np.float32
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.05
 
 
-
 def _program_size(**changes) -> int:
-    """Characters of the lowered (StableHLO) decode step of a random tiny model."""
+    """Characters of the lowered (StableHLO) decode step of a tiny model."""
     base = dict(vocab_size=256, dim=64, inter_dim=96, moe_inter_dim=32, n_layers=3, n_dense_layers=1, n_heads=4,
                 n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, n_expert_groups=2, n_limited_groups=1,
                 score_func="sigmoid", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                 v_head_dim=16, max_batch_size=2, max_seq_len=64)
-    model = dsv3_jax.build(dsv3_jax.ModelArgs(**{**base, **changes}), compute_dtype="float32")
+    model = zero_model(dsv3_jax.ModelArgs(**{**base, **changes}), compute_dtype="float32")
     zeros = np.zeros((2,), np.int32)
     lowered = model.step.lower(model.state, model.cache, np.zeros((2, 1), np.int32), zeros, zeros, kv_len=64)
     return len(lowered.as_text())
@@ -190,7 +223,7 @@ def test_decode_step_has_no_loops_but_the_layer_scans(moe_impl):
                               kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
                               max_batch_size=2, max_seq_len=64)
     for decode_attn in ("xla", "kernel"):
-        model = dsv3_jax.build(args, compute_dtype="float32", moe_impl=moe_impl, decode_attn=decode_attn)
+        model = zero_model(args, compute_dtype="float32", moe_impl=moe_impl, decode_attn=decode_attn)
         zeros = np.zeros((2,), np.int32)
         jaxpr = jax.make_jaxpr(lambda *a: model.step(*a, kv_len=64))(
             model.state, model.cache, np.zeros((2, 1), np.int32), zeros, zeros)
@@ -205,7 +238,7 @@ def test_step_is_profiled_by_paper_noun():
                               n_heads=4, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
                               kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
                               max_batch_size=1, max_seq_len=64)
-    model = dsv3_jax.build(args, compute_dtype="float32")
+    model = zero_model(args, compute_dtype="float32")
     zeros = np.zeros((1,), np.int32)
     text = model.step.lower(model.state, model.cache, np.zeros((1, 1), np.int32), zeros, zeros,
                             kv_len=64).as_text(debug_info=True)

@@ -50,7 +50,17 @@ def allocate_cache(args: ModelArgs, attn_impl: str, mesh: Mesh, layout: Layout, 
     rows = layout.padded_batch(batch or args.max_batch_size)
     shapes = cache_shapes(args, attn_impl, rows, length or args.max_seq_len, mtp)
     specs = cache_specs(attn_impl, layout)
-    shardings = {name: NamedSharding(mesh, specs[name]) for name in shapes}
+    shardings = {name: NamedSharding(mesh, _without_trailing_none(specs[name])) for name in shapes}
     make = jax.jit(lambda: {name: jnp.zeros(shape, dtype) for name, shape in shapes.items()},
                    out_shardings=shardings)
     return make()
+
+
+def _without_trailing_none(spec: P) -> P:
+    """`spec` in the form a jitted step's outputs carry (trailing unsplit axes dropped): the cache a
+    step returns then has the sharding of the one it was given, which the step's compiled program
+    is keyed by; an equal split spelled otherwise would trace and compile every step once more."""
+    parts = tuple(spec)
+    while parts and parts[-1] is None:
+        parts = parts[:-1]
+    return P(*parts)
