@@ -81,9 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "over all processes)")
     add_flags(parser)
     parser.add_argument("--max-seq-len", type=int, default=None,
-                        help="tokens of a conversation (prompt + answer) the cache holds (default: 4096, or the "
-                             "positions the checkpoint was trained at if fewer: its max_position_embeddings "
-                             "without rope scaling; a larger value is cut to those)")
+                        help="tokens of a conversation (prompt + answer) the cache holds, at most the positions "
+                             "the checkpoint was trained at (its max_position_embeddings without rope scaling): "
+                             "a larger value is cut to those (default: 4096)")
     parser.add_argument("--mtp", action="store_true", help="speculative decoding with the checkpoint's "
                         "multi-token-prediction layer (one draft token per step; same outputs when greedy)")
     parser.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
