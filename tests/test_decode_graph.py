@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from dsv3_jax.decode.generate import prefill
+from dsv3_jax.decode.generate import decode, prefill, read_out
 from dsv3_jax.decode.step import COMMAND_BUFFERS, decode_graphs
 
 TINY = Path(dsv3_jax.__file__).parent / "assets" / "tiny"
@@ -95,3 +95,23 @@ def test_speculative_step_as_a_graph_gives_the_same_tokens():
     lowered = graphs.mtp_steps[1].lower(graphs.state, graphs.cache, spec_state, kv_len=plan.kv_len, top_k=0,
                                         top_p=1.0)
     assert dict(lowered._lowering._compiler_options_kvs) == COMMAND_BUFFERS
+    assert_state_donated(graphs, spec_state, plan, prompts, mtp=True)
+
+
+def assert_state_donated(model, state, plan, prompts, mtp=False):
+    """Would catch a decode step that allocates its state afresh each step: a CUDA graph whose buffers move
+    is updated before every replay, which costs more than the step's kernels on a small model. The state
+    handed to `decode` is consumed (its buffers reused for the next state), while `read_out`, taken
+    before, still holds what the state emitted: the greedy first tokens that `generate` returns."""
+    read = read_out(state)
+    following = decode(model, state, plan)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state)), "the state was not donated"
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(following))
+    first = np.asarray(read)[:, 0] if mtp else np.asarray(read)
+    assert first.tolist() == [c[0] for c in model.generate(prompts, 1, eos_id=-1, temperature=0.0, mtp=mtp)]
+
+
+def test_plain_decode_step_consumes_its_state(pair):
+    for model in pair:
+        decode_state, plan = prefill(model, PROMPTS, 4, eos_id=-1, temperature=0.0)
+        assert_state_donated(model, decode_state, plan, PROMPTS)

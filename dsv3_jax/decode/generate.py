@@ -9,8 +9,9 @@ its end. A chunk step is compiled once per (batch, chunk, window), so prompts of
 compile a bounded set of prefill steps; each row keeps the logits at its last prompt token from
 the chunk that holds it, and one small step then samples the first tokens. Every decode step
 attends over one cache window (`cache_window(total_len)`) and is compiled once per (batch, window).
-Sampling runs on the device and the per-row `DecodeState` stays there; the cache is donated to
-each step and updated in place. Every row advances from its own position, so prompts of unequal
+Sampling runs on the device and the per-row `DecodeState` stays there; the cache and the state are
+donated to each step and updated in place (a step whose buffers sit where the previous one's did
+replays its CUDA graph as recorded, with no update of the graph's arguments). Every row advances from its own position, so prompts of unequal
 length need no teacher-forced steps: a row's completion starts right after its own prompt.
 """
 from __future__ import annotations
@@ -130,12 +131,12 @@ def start_decoding(logits, lengths, budgets, seed, temperature, eos_id, *, top_k
 
 def make_decode_step(parts: StepParts):
     """The jitted decode step of a model: `(params, cache, state, *, kv_len, top_k, top_p) -> (state, cache)`,
-    `sample_step` around the model's step, the cache donated. With decode graphs (`decode_step_parts`) its
+    `sample_step` around the model's step, the cache and the state donated. With decode graphs (`decode_step_parts`) its
     layer scans are unrolled and it is compiled with XLA command buffers, so that one CUDA graph replays
     the whole step's kernels: a launch per step instead of one per kernel."""
     step_parts, compiler_options = decode_step_parts(parts)
     return jax.jit(functools.partial(sample_step, make_step(step_parts)), static_argnames=("kv_len", "top_k", "top_p"),
-                   donate_argnums=(1,), compiler_options=compiler_options)
+                   donate_argnums=(1, 2), compiler_options=compiler_options)
 
 
 def sample_step(step, params, cache, state: DecodeState, *, kv_len: int, top_k: int,
@@ -257,18 +258,27 @@ def _one_per_compilation(chunks: Sequence[PrefillChunk], mtp: bool) -> list[Pref
 
 def decode(model, state: DecodeState | SpecState, plan: Plan) -> DecodeState | SpecState:
     """One decode step for every unfinished row (asynchronous: nothing waits for the device); a
-    speculative state takes a speculative step (verify the drafts, emit 1-2 tokens per row, draft again)."""
+    speculative state takes a speculative step (verify the drafts, emit 1-2 tokens per row, draft again).
+    `state` is donated, as the cache is: read what it holds before passing it (`read_out`)."""
     step = model.mtp_steps[1] if isinstance(state, SpecState) else model.decode_step
     state, model.cache = step(model.state, model.cache, state, kv_len=plan.kv_len, top_k=plan.top_k,
                               top_p=plan.top_p)
     return state
 
 
-def emitted(state: DecodeState | SpecState) -> list[tuple[list[int], int]]:
-    """Per row, what the step that made `state` emitted: (its tokens, 1 if a draft was accepted)."""
-    if isinstance(state, SpecState):
-        return [([first, second][:count], accepted) for first, second, count, accepted in np.asarray(state.out).tolist()]
-    return [([token], 0) for token in np.asarray(state.token).tolist()]
+@jax.jit
+def read_out(state: DecodeState | SpecState) -> jax.Array:
+    """A copy of what the step that made `state` emitted, which outlives the state's donation to the
+    next step: the tokens (B,) of a `DecodeState`, the `out` rows (B, 4) of a `SpecState`."""
+    return jnp.copy(state.out if isinstance(state, SpecState) else state.token)
+
+
+def emitted(read: jax.Array) -> list[tuple[list[int], int]]:
+    """Per row, what a step emitted (its `read_out`): (its tokens, 1 if a draft was accepted)."""
+    rows = np.asarray(read).tolist()
+    if np.ndim(read) == 2:  # a speculative step's [first, second, count, accepted]
+        return [([first, second][:count], accepted) for first, second, count, accepted in rows]
+    return [([token], 0) for token in rows]
 
 
 class MaxSeqLenWarning(UserWarning):
@@ -317,10 +327,10 @@ class _Progress:
     accepted: int = 0
     steps: int = 0  # model steps after the prefill
 
-    def take(self, state, plan: Plan, eos_id: int | None, after_prefill: bool) -> None:
-        """Append what the newest step emitted to each active row, up to its eos or budget."""
+    def take(self, read: jax.Array, plan: Plan, eos_id: int | None, after_prefill: bool) -> None:
+        """Append what the newest step emitted (its `read_out`) to each active row, up to its eos or budget."""
         self.steps += after_prefill
-        for row, (tokens, was_accepted) in enumerate(emitted(state)):
+        for row, (tokens, was_accepted) in enumerate(emitted(read)):
             if not self.active[row]:
                 continue
             self.drafts += after_prefill
@@ -371,8 +381,9 @@ def generate(model, prompt_tokens: Sequence[Sequence[int]], max_new_tokens: int,
     progress = _Progress([[] for _ in plan.lengths], [budget > 0 for budget in plan.budgets])
     # at most max_new_tokens steps (each emits at least one token per active row)
     for index in range(plan.max_new_tokens):
+        read = read_out(state)  # before the next step, to which `state` is donated
         following = decode(model, state, plan) if index + 1 < plan.max_new_tokens else None
-        progress.take(state, plan, eos_id, after_prefill=index > 0)
+        progress.take(read, plan, eos_id, after_prefill=index > 0)
         if on_tokens is not None:
             on_tokens(progress.completions)
         if not any(progress.active):

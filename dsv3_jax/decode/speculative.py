@@ -18,9 +18,9 @@ function of fixed shapes:
    rejected), and the output at the last accepted position gives the next draft and its
    distribution q.
 
-The cache (main layers plus the MTP block's layer n_layers) is donated; the only host transfer per
-step is a (B, 4) int32 array: the two candidate tokens, how many of them the row emits, and
-whether its draft was accepted. The generation loop that drives these steps is `generate.generate`'s.
+The cache (main layers plus the MTP block's layer n_layers) and the state are donated; the only host
+transfer per step is a copy of the (B, 4) int32 `out`: the two candidate tokens, how many of them
+the row emits, and whether its draft was accepted. The generation loop that drives these steps is `generate.generate`'s.
 """
 from __future__ import annotations
 
@@ -173,7 +173,8 @@ def make_mtp_steps(parts: StepParts):
 
     prefill(state, cache, tokens, following, start, lengths, carry, seed, temperature, *, kv_len, mtp_kv_len,
             top_k, top_p) -> ((first, draft, q), cache)  (`_prefill_chunk`; `start_speculating` then makes the
-        SpecState);  step(state, cache, spec_state, *, kv_len, top_k, top_p) -> (SpecState, cache).
+        SpecState);  step(state, cache, spec_state, *, kv_len, top_k, top_p) -> (SpecState, cache), with
+        spec_state donated too.
     """
     c_specs = parts.cache_specs
     step_parts, compiler_options = decode_step_parts(parts)  # decode graphs, as the plain decode step
@@ -192,5 +193,6 @@ def make_mtp_steps(parts: StepParts):
                              out_specs=(P(), c_specs), check_vma=False)(state, cache, s)
 
     return (jax.jit(prefill, static_argnames=("kv_len", "mtp_kv_len", "top_k", "top_p"), donate_argnums=(1,)),
-            jax.jit(step, static_argnames=("kv_len", "top_k", "top_p"), donate_argnums=(1,),
+            # keep_unused: the state's `out`, which the step only writes, is donated too (its buffer reused)
+            jax.jit(step, static_argnames=("kv_len", "top_k", "top_p"), donate_argnums=(1, 2), keep_unused=True,
                     compiler_options=compiler_options))
