@@ -135,8 +135,32 @@ def _run_options(options: RunOptions | None, dtype: str | None, choices: dict) -
     return RunOptions.make(options, **choices)
 
 
-def _mesh_for(args: ModelArgs, num_devices: int, mesh: Mesh | None) -> Mesh:
-    return mesh if mesh is not None else make_mesh(num_devices)
+def auto_num_devices(args: ModelArgs, options: RunOptions, available: int | None = None) -> tuple[int, str | None]:
+    """The most devices, at most `available` (default: all), that `options.layout` splits the model over
+    evenly, and when that is fewer than `available` the reason (what does not divide). Under several
+    processes: all of them, since every process's devices belong to the mesh."""
+    available = available or jax.device_count()
+    if jax.process_count() > 1:
+        return available, None
+    reason = None
+    for count in range(available, 1, -1):
+        try:
+            check_layout(args, Layout.for_mesh(options.layout, make_mesh(count)))
+            return count, reason
+        except ValueError as error:
+            reason = reason or str(error)
+    return 1, reason
+
+
+def _mesh_for(args: ModelArgs, options: RunOptions, num_devices: int | str, mesh: Mesh | None) -> Mesh:
+    """`mesh`, or one over `num_devices` devices ("auto": `auto_num_devices`)."""
+    if mesh is not None:
+        return mesh
+    if num_devices == "auto":
+        num_devices = auto_num_devices(args, options)[0]
+    elif isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices must be a positive int or 'auto', got {num_devices!r}")
+    return make_mesh(num_devices)
 
 
 def model_layout(args: ModelArgs, options: RunOptions, mesh: Mesh) -> Layout:
@@ -146,10 +170,11 @@ def model_layout(args: ModelArgs, options: RunOptions, mesh: Mesh) -> Layout:
     return layout
 
 
-def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh: Mesh | None = None,
+def load(path, *, options: RunOptions | None = None, num_devices: int | str = 1, mesh: Mesh | None = None,
          max_batch_size: int = 8, max_seq_len: int | None = None, config=None, dtype: str | None = None,
          progress: bool | None = None, mtp: bool = False, **choices) -> Model:
-    """Load a checkpoint directory onto `num_devices` devices (or `mesh`), each device reading its own shard.
+    """Load a checkpoint directory onto `num_devices` devices (or `mesh`), each device reading its own shard;
+    num_devices "auto": the most devices the layout splits the model's dimensions over (`auto_num_devices`).
 
     The directory holds a Hugging Face checkpoint (config.json + *.safetensors), the reference's
     per-rank files `model{r}-mp{MP}.safetensors` (`dsv3-convert`; they carry no config, so
@@ -182,7 +207,7 @@ def load(path, *, options: RunOptions | None = None, num_devices: int = 1, mesh:
     limit = None if isinstance(config, ModelArgs) else trained_positions(config)
     args = args.replace(max_batch_size=max_batch_size, max_seq_len=window_for(max_seq_len, limit))
     _check_gemm_impl(args, options, path)
-    mesh = _mesh_for(args, num_devices, mesh)
+    mesh = _mesh_for(args, options, num_devices, mesh)
     layout = model_layout(args, options, mesh)
     check_fits(args, layout, options, mtp=mtp, devices=mesh.devices.flat)  # before any weight is read
     if is_orbax_checkpoint(path):
@@ -231,14 +256,14 @@ def _join(*states: nnx.State) -> nnx.State:
     return nnx.from_flat_state([item for state in states for item in nnx.to_flat_state(state)])
 
 
-def build(args: ModelArgs, *, seed: int = 0, options: RunOptions | None = None, num_devices: int = 1,
+def build(args: ModelArgs, *, seed: int = 0, options: RunOptions | None = None, num_devices: int | str = 1,
           mesh: Mesh | None = None, dtype: str | None = None, mtp: bool = False, **choices) -> Model:
     """A model with random weights generated directly on the mesh shards (benchmarks, demos);
     `options` / `choices` as in `load`; mtp=True adds a random MTP module."""
     options = _run_options(options, dtype, choices)
     if args.gate_bias is None:
         args = args.replace(gate_bias=args.score_func == "sigmoid")
-    mesh = _mesh_for(args, num_devices, mesh)
+    mesh = _mesh_for(args, options, num_devices, mesh)
     graphdef, abstract_state = _abstract(args, options, seed, mtp=mtp)
     layout = model_layout(args, options, mesh)
     check_fits(args, layout, options, mtp=mtp, devices=mesh.devices.flat)

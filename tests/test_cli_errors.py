@@ -328,3 +328,19 @@ def test_memory_plan_reads_hf_configs_and_reports_bad_ones_in_one_line(runs):
     assert "# Memory plan: config.json" in good.stdout
     one_error_line(bad, "'hidden_size' must be int")
     one_error_line(missing, f"config file not found: {directory / 'none.json'}")
+
+
+# ------------------------------------------------------------------ how many devices by default
+@commands
+def demo_runs_on_the_devices_its_heads_divide(directory):
+    return [chat("--complete", "--temperature", 0, "--max-new-tokens", 3, stdin="def f(x):")]
+
+
+def test_demo_runs_on_the_devices_its_heads_divide(runs):
+    """Would catch the default of every device failing on a machine whose device count the demo's 6 heads
+    do not divide (the tests' 4 host devices, as on a 4- or 8-GPU machine): it completes on 2 of the 4,
+    and the start-up line says why."""
+    (result,), _ = runs["demo_runs_on_the_devices_its_heads_divide"]
+    assert result.returncode == 0, result.stderr
+    assert "on 2 of the 4 devices, the most its dimensions divide into: with 4, n_heads=6" in result.stderr
+    assert result.stdout.startswith("def f(x):") and len(result.stdout) > len("def f(x):")

@@ -158,3 +158,24 @@ def test_explicit_mesh(tiny):
     assert model.mesh is mesh and {d.id for d in model.state["head"]["weight"][...].sharding.device_set} == {
         d.id for d in jax.devices()[2:4]}
     np.testing.assert_allclose(np.asarray(model.forward(np.arange(5)[None], 0)), _logits(tiny[1]), atol=2e-5)
+
+
+def test_auto_num_devices_takes_the_most_the_dimensions_divide_into(configs_dir):
+    """On the tests' 4 host devices: the tiny model (heads, experts and widths all even) takes all 4;
+    the demo's 6 heads take 2 (3 does not divide its 8,192-token vocabulary), and the reason names the
+    heads; a bad count is one line naming the argument."""
+    from dsv3_jax.api import auto_num_devices
+
+    assets = configs_dir.parent / "dsv3_jax" / "assets"
+    options = dsv3_jax.RunOptions()
+    tiny = dsv3_jax.ModelArgs.from_file(assets / "tiny" / "config.json")
+    demo = dsv3_jax.ModelArgs.from_file(assets / "demo" / "config.json")
+    assert auto_num_devices(tiny, options) == (4, None)
+    count, reason = auto_num_devices(demo, options)
+    assert count == 2 and reason.startswith("n_heads=6 is not divisible by the 4 devices")
+    assert auto_num_devices(demo, dsv3_jax.RunOptions.make(layout="rep-attn"))[0] == 4
+    model = dsv3_jax.load(assets / "demo", num_devices="auto", max_batch_size=1, max_seq_len=64)
+    assert model.mesh.devices.size == 2
+    for bad in (0, "all", 2.0):
+        with pytest.raises(ValueError, match="num_devices must be a positive int or 'auto'"):
+            dsv3_jax.load(assets / "tiny", num_devices=bad)

@@ -34,7 +34,7 @@ from ..decode.generate import MaxSeqLenWarning, Plan, Timing, generate, warm_up
 from ..errors import NoMTPLayerError
 from ..options import add_flags, from_flags
 from ..tokenizer import Tokenizer
-from .common import ArgumentParser, UsageError, run_cli
+from .common import ArgumentParser, UsageError, devices_used, run_cli
 from .distributed import Console, check_same_settings, start_distributed
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # dsv3_jax/assets
@@ -77,8 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: off)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first turn (turn i uses seed + i)")
-    parser.add_argument("--num-devices", type=int, default=None, help="devices of the mesh (default: all, "
-                        "over all processes)")
+    parser.add_argument("--num-devices", type=int, default=None, help="devices of the mesh (default: all, over all "
+                        "processes; on one process, the most that the model's dimensions divide into)")
     add_flags(parser)
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="tokens of a conversation (prompt + answer) the cache holds, at most the positions "
@@ -173,7 +173,7 @@ def load_model(args: argparse.Namespace, batch: int):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PositionLimitWarning)
-            model = load(path, options=from_flags(args), num_devices=args.num_devices or jax.device_count(),
+            model = load(path, options=from_flags(args), num_devices=args.num_devices or "auto",
                          max_batch_size=batch, max_seq_len=args.max_seq_len, config=args.config, mtp=args.mtp)
     except NoMTPLayerError:
         raise ChatError(f"--mtp: {path} holds no multi-token-prediction (MTP) layer; run without --mtp") from None
@@ -194,7 +194,7 @@ def run_interactive(args: argparse.Namespace, console: Console) -> None:
     chat = tokenizer.chat_template is not None
     if console.leader:
         how = "/clear empties the history" if chat else "no chat template: each line is completed as raw text"
-        print(f"dsv3-chat: {banner(args)}; on {model.mesh.devices.size} device(s); {how}, /exit quits",
+        print(f"dsv3-chat: {banner(args)}; {devices_used(model, args.num_devices)}; {how}, /exit quits",
               file=sys.stderr, flush=True)
     # one attention window for the whole session: every turn reuses one compiled decode step
     options = dict(top_k=args.top_k, top_p=args.top_p, window=args.max_seq_len)
@@ -295,7 +295,7 @@ def run_complete(args: argparse.Namespace, console: Console) -> None:
         raise ChatError("--complete: the prompt is empty")
     model, tokenizer = load_model(args, batch=1)
     if console.leader:
-        print(f"dsv3-chat: {banner(args)}; on {model.mesh.devices.size} device(s)", file=sys.stderr, flush=True)
+        print(f"dsv3-chat: {banner(args)}; {devices_used(model, args.num_devices)}", file=sys.stderr, flush=True)
     ids = tokenizer.encode(text)
     if len(ids) >= args.max_seq_len:
         raise ChatError(f"the prompt has {len(ids)} tokens and leaves no room for a completion within "

@@ -24,6 +24,20 @@ def one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
+def devices_used(model, asked: int | None) -> str:
+    """How many devices `model` runs on, for a tool's start-up line; when `--num-devices` was not given
+    (`asked` None: the most that the model's dimensions divide into) and that is fewer than all, why."""
+    import jax
+
+    from ..api import auto_num_devices
+
+    used, available = model.mesh.devices.size, jax.device_count()
+    if asked is not None or used >= available:
+        return f"on {used} device(s)"
+    reason = auto_num_devices(model.args, model.options, available)[1]
+    return f"on {used} of the {available} devices, the most its dimensions divide into: with {available}, {reason}"
+
+
 def run_cli(prog: str, main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> int:
     """Run a command's `main`: 0 when it returns, 1 with one line for a user error, 130 on Ctrl-C."""
     try:

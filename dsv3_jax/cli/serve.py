@@ -31,7 +31,7 @@ from ..serving.engine import Engine
 from ..serving.plan import PlanChannel, follow
 from ..serving.random_model import IdTokenizer
 from ..serving.speculative import SpeculativeEngine
-from .common import ArgumentParser, run_cli
+from .common import ArgumentParser, devices_used, run_cli
 from .distributed import Console, check_same_settings, start_distributed
 
 DEFAULT_PORT = 8000
@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="smallest attention window of a step; --max-seq-len compiles one window only")
     parser.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a row")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body")
-    parser.add_argument("--num-devices", type=int, default=None, help="devices of the mesh (default: all)")
+    parser.add_argument("--num-devices", type=int, default=None, help="devices of the mesh (default: all; on one process, "
+                        "the most that the model's dimensions divide into)")
     parser.add_argument("--seed", type=int, default=0, help="--random-config: the weights' seed")
     parser.add_argument("--mtp", action="store_true", help="speculative decoding with the checkpoint's "
                         "multi-token-prediction layer (one draft token per row and step; same outputs when greedy, "
@@ -109,7 +110,7 @@ def load(args: argparse.Namespace):
         config = ModelArgs.from_file(args.random_config).replace(max_batch_size=args.max_batch_size,
                                                                 max_seq_len=args.max_seq_len)
         model = build(config, options=from_flags(args), seed=args.seed, mtp=args.mtp,
-                      num_devices=args.num_devices or jax.device_count())
+                      num_devices=args.num_devices or "auto")
         return model, IdTokenizer(config.vocab_size), args.served_model_name or random_name(args.random_config)
     check_paths_and_devices(args)
     model, tokenizer = load_model(args, batch=args.max_batch_size)
@@ -147,8 +148,9 @@ def serve(argv: list[str] | None = None) -> None:
                       limits=Limits(max_body_bytes=args.max_body_bytes), channel=channel)
     what = f"random weights from {args.random_config}" if args.random_config else banner(args)
     spans = f" of {console.processes} processes" if console.processes > 1 else ""
+    devices = devices_used(model, args.num_devices).removeprefix("on ")
     print(f"dsv3-serve: {what}; model name {name!r}; {args.max_batch_size} rows of {args.max_seq_len} tokens on "
-          f"{model.mesh.devices.size} device(s){spans}{'; MTP speculative decoding' if args.mtp else ''}; "
+          f"{devices}{spans}{'; MTP speculative decoding' if args.mtp else ''}; "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     # uvicorn shuts down gracefully on SIGTERM (the scheduler stops, the other processes with it) and then
     # raises the signal again for the handler it found: a no-op, so that the run ends normally (status 0)
