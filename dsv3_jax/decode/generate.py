@@ -30,7 +30,7 @@ from ..model.cache import cache_window
 from ..options import RunOptions
 from .sampling import sample
 from .speculative import SpecState, start_speculating
-from .step import StepParts, decode_step_parts, make_step
+from .step import StepParts, decode_step_parts, make_step, step_builder
 
 MIN_PREFILL_BUCKET = 16
 
@@ -129,6 +129,7 @@ def start_decoding(logits, lengths, budgets, seed, temperature, eos_id, *, top_k
     return DecodeState(token, lengths, finished, remaining, key, temperature, eos_id)
 
 
+@step_builder
 def make_decode_step(parts: StepParts):
     """The jitted decode step of a model: `(params, cache, state, *, kv_len, top_k, top_p) -> (state, cache)`,
     `sample_step` around the model's step, the cache and the state donated. With decode graphs (`decode_step_parts`) its

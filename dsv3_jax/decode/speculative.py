@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from ..model.transformer import step_context
 from ..sharding import Layout
 from .sampling import distribution, draw, random_rows
-from .step import StepParts, decode_step_parts
+from .step import StepParts, decode_step_parts, step_builder
 
 
 class SpecState(NamedTuple):
@@ -167,6 +167,7 @@ def _context(parts: StepParts, positions, kv_len: int, kv_start: int = 0):
     return step_context(parts.args, positions, kv_len, parts.options, parts.layout, kv_start)
 
 
+@step_builder
 def make_mtp_steps(parts: StepParts):
     """The jitted MTP prefill chunk and speculative step of a model with an MTP module (cache
     donated); `parts.layout` must not split the batch (every device holds every row's state).

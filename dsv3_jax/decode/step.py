@@ -42,6 +42,25 @@ class StepParts(NamedTuple):
     def cache_specs(self):
         return cache_specs(self.options.attn_impl, self.layout)
 
+    def _identity(self) -> tuple:
+        leaves, structure = jax.tree.flatten(self.state_specs)
+        return self.graphdef, structure, tuple(leaves), self.args, self.mesh, self.options, self.layout
+
+    # Hashable by value, so that the step builders below memoize on it (`step_builder`).
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StepParts) and self._identity() == other._identity()
+
+
+def step_builder(make):
+    """Memoize a builder of jitted steps on its `StepParts`: a second `Model` of the same graph, split,
+    config, mesh and options gets the first one's jitted functions, whose traces and compiled programs
+    it then reuses, instead of tracing, lowering and compiling every step again. Bounded, so that a
+    session trying many configs does not keep every one's programs."""
+    return functools.lru_cache(maxsize=16)(make)
+
 
 def decode_graphs(parts: StepParts) -> bool:
     """Whether the single-token decode steps run as CUDA graphs (`RunOptions.decode_graph`; auto: on a
@@ -59,6 +78,7 @@ def decode_step_parts(parts: StepParts) -> tuple[StepParts, dict | None]:
     return parts._replace(options=dataclasses.replace(parts.options, unroll=True)), COMMAND_BUFFERS
 
 
+@step_builder
 def make_step(parts: StepParts):
     """The jitted forward step `(state, cache, tokens, start_pos, last_index, *, kv_len) -> (logits, cache)`.
 
