@@ -7,6 +7,7 @@ goes in as several steps of at most that many tokens per row.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -267,8 +268,19 @@ def build(args: ModelArgs, *, seed: int = 0, options: RunOptions | None = None, 
     graphdef, abstract_state = _abstract(args, options, seed, mtp=mtp)
     layout = model_layout(args, options, mesh)
     check_fits(args, layout, options, mtp=mtp, devices=mesh.devices.flat)
-    shardings = named_shardings(mesh, partition_specs(abstract_state, layout))
-    make = jax.jit(lambda: nnx.split(Transformer(args, param_dtype=options.jnp_dtype, rngs=nnx.Rngs(seed),
-                                                 mtp=mtp))[1],
-                   out_shardings=shardings)
-    return Model(args, graphdef, make(), mesh, options, layout=layout)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    leaves, structure = jax.tree.flatten(named_shardings(mesh, partition_specs(abstract_state, layout)))
+    make = _random_init(args, options.jnp_dtype, mtp, structure, tuple(leaves))
+    return Model(args, graphdef, make(np.uint32(seed)), mesh, options, layout=layout)
+
+
+@functools.lru_cache(maxsize=8)
+def _random_init(args: ModelArgs, param_dtype, mtp: bool, structure, shardings: tuple):
+    """The jitted `seed -> state` of `build`, its weights placed by `shardings` (the leaves of the state's
+    tree `structure`). Memoized, as the step builders are: building the same model again, with any seed,
+    traces and compiles nothing."""
+    return jax.jit(lambda seed: nnx.split(Transformer(args, param_dtype=param_dtype,
+                                                      rngs=nnx.Rngs(jax.random.key(seed)),
+                                                      mtp=mtp))[1],
+                   out_shardings=jax.tree.unflatten(structure, shardings))
