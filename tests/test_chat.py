@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from chat_calls import chat_each
+from chat_calls import chat_each, python_each
 from dsv3_jax.decode.generate import generate
 from dsv3_jax.checkpoint.safetensors import TensorIndex
 from dsv3_jax.tokenizer import Tokenizer
@@ -20,11 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = Path(dsv3_jax.__file__).parent / "assets" / "tiny"
 DEMO = Path(dsv3_jax.__file__).parent / "assets" / "demo"
 ANSWER = re.compile(r"(?:>>> )+(.*?)\n\[prefill (\d+) tokens [\d.]+ tok/s · decode \d+ tokens [\d.-]+ tok/s\]\n", re.S)
-
-
-def run_chat(*flags: str, stdin: str = "", timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsv3_jax.chat", *flags], input=stdin, capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env=dict(os.environ))
 
 
 def expected_turns(model, tokenizer, turns: list[str], *, temperature: float, max_new_tokens: int = 200,
@@ -45,15 +40,49 @@ def expected_turns(model, tokenizer, turns: list[str], *, temperature: float, ma
     return answers
 
 
+INTERACTIVE_TURNS = ["Hello! Tell me about the weather.", "What is 3 plus 4?", "/clear", "Who are you?"]
+BATCH_PROMPTS = ["What is 3 plus 4?", "Describe a red lamp.", "Hello, my name is Ada."]
+COMPLETE_PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """What each of the tests' chat command lines gives, all run in one process (`chat_each`: one
+    start and one jax import for all; test_distributed starts the CLI as processes of their own).
+    The batch runs share their prompts, lengths and window, so that their steps compile once."""
+    root = tmp_path_factory.mktemp("chat")
+    (root / "prompts.txt").write_text("\n".join(BATCH_PROMPTS) + "\n\n")
+    (root / "empty.txt").write_text("\n")
+    checkpoint = tiny_with_mtp(root / "tiny_mtp")
+    greedy = ("--ckpt-path", str(checkpoint), "--input-file", str(root / "prompts.txt"), "--num-devices", "1",
+              "--max-new-tokens", "32", "--temperature", "0")
+    calls = {
+        "usage": (("--max-new-tokens", "5"), ""),
+        "nowhere": (("--interactive", "--ckpt-path", str(root / "nowhere")), ""),
+        "empty": (("--tiny", "--input-file", str(root / "empty.txt")), ""),
+        "two": (("--tiny", "--complete", "--ckpt-path", str(TINY)), ""),
+        "blank": (("--tiny", "--complete"), "\n"),
+        "interactive": (("--tiny", "--interactive", "--num-devices", "1"), "\n".join(INTERACTIVE_TURNS) + "\n"),
+        "exit": (("--tiny", "--interactive", "--num-devices", "1", "--max-new-tokens", "8"),
+                 "Hi\n/exit\nThis is never answered\n"),
+        "batch": (("--tiny", "--input-file", str(root / "prompts.txt"), "--num-devices", "1", "--max-new-tokens", "32"),
+                  ""),
+        "complete": (("--complete", "--num-devices", "1", "--temperature", "0", "--max-new-tokens", "24"),
+                     COMPLETE_PROMPT + "\n"),
+        "plain": (greedy, ""),
+        "mtp": ((*greedy, "--mtp"), ""),
+    }
+    return dict(zip(calls, chat_each(*calls.values())))
+
+
 @pytest.fixture(scope="module")
 def demo():
     """The embedded model as the CLI loads it by default (bf16, 4096 positions), on one device."""
     return dsv3_jax.load(TINY, max_batch_size=1, max_seq_len=4096), Tokenizer.from_dir(TINY)
 
 
-def test_interactive_demo_streams_answers_with_history_and_clear(demo):
-    turns = ["Hello! Tell me about the weather.", "What is 3 plus 4?", "/clear", "Who are you?"]
-    result = run_chat("--tiny", "--interactive", "--num-devices", "1", stdin="\n".join(turns) + "\n")
+def test_interactive_demo_streams_answers_with_history_and_clear(cli, demo):
+    turns, result = INTERACTIVE_TURNS, cli["interactive"]
     assert result.returncode == 0, result.stderr  # end of input exits cleanly
     answers = ANSWER.findall(result.stdout)
     model, tokenizer = demo
@@ -64,18 +93,14 @@ def test_interactive_demo_streams_answers_with_history_and_clear(demo):
     assert result.stdout.count(">>> ") == len(turns) + 1
 
 
-def test_exit_command_ends_the_session():
-    result = run_chat("--tiny", "--interactive", "--num-devices", "1", "--max-new-tokens", "8",
-                      stdin="Hi\n/exit\nThis is never answered\n")
+def test_exit_command_ends_the_session(cli):
+    result = cli["exit"]
     assert result.returncode == 0, result.stderr
     assert len(ANSWER.findall(result.stdout)) == 1
 
 
-def test_batch_mode_prints_prompt_completion_pairs(tmp_path):
-    prompts = ["What is 3 plus 4?", "Describe a red lamp.", "Hello, my name is Ada."]
-    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n\n")
-    result = run_chat("--tiny", "--input-file", str(tmp_path / "prompts.txt"), "--num-devices", "1",
-                      "--max-new-tokens", "32")
+def test_batch_mode_prints_prompt_completion_pairs(cli):
+    prompts, result = BATCH_PROMPTS, cli["batch"]
     assert result.returncode == 0, result.stderr
     model = dsv3_jax.load(TINY, max_batch_size=3, max_seq_len=4096)
     tokenizer = Tokenizer.from_dir(TINY)
@@ -85,12 +110,8 @@ def test_batch_mode_prints_prompt_completion_pairs(tmp_path):
     assert result.stdout == expected
 
 
-def test_bad_invocations_fail_in_one_line(tmp_path):
-    (tmp_path / "empty.txt").write_text("\n")
-    usage, nowhere, empty, two, blank = chat_each(  # each fails before a model loads: one process for all
-        (("--max-new-tokens", "5"), ""), (("--interactive", "--ckpt-path", str(tmp_path / "nowhere")), ""),
-        (("--tiny", "--input-file", str(tmp_path / "empty.txt")), ""),
-        (("--tiny", "--complete", "--ckpt-path", str(TINY)), ""), (("--tiny", "--complete"), "\n"))
+def test_bad_invocations_fail_in_one_line(cli):
+    usage, nowhere, empty, two, blank = (cli[name] for name in ("usage", "nowhere", "empty", "two", "blank"))
     assert usage.returncode == 2 and "one of the arguments --input-file --interactive --complete is required" in usage.stderr
     assert nowhere.returncode == 1
     assert nowhere.stderr.strip().count("\n") == 0 and "dsv3-chat: error:" in nowhere.stderr
@@ -99,12 +120,10 @@ def test_bad_invocations_fail_in_one_line(tmp_path):
     assert blank.returncode == 1 and "the prompt is empty" in blank.stderr
 
 
-def test_complete_with_the_demo_model_by_default():
+def test_complete_with_the_demo_model_by_default(cli):
     """The default model is the trained demo; --complete continues raw text (BOS + prompt, no chat
     template), greedy here, exactly as the API does, and the continuation is Python."""
-    prompt = "def fibonacci(n):"
-    result = run_chat("--complete", "--num-devices", "1", "--temperature", "0", "--max-new-tokens", "24",
-                      stdin=prompt + "\n")
+    prompt, result = COMPLETE_PROMPT, cli["complete"]
     assert result.returncode == 0, result.stderr
     assert "demo model" in result.stderr and "2,048 positions" in result.stderr
     tokenizer = Tokenizer.from_dir(DEMO)
@@ -125,22 +144,33 @@ def test_demo_assets_fit_and_are_documented():
     assert json.loads((DEMO / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
 
-@pytest.mark.parametrize("name, flags", [
-    ("dsv3-chat", ("--ckpt-path", "--tiny", "--config", "--input-file", "--interactive", "--complete", "--max-new-tokens", "--temperature",
-                   "--num-devices", "--compute-dtype", "--gemm-impl", "--attn-impl", "--moe-impl", "--decode-attn",
-                   "--unroll", "--max-seq-len", "--mtp", "--coordinator-address")),
-    ("dsv3-convert", ("--hf-ckpt-path", "--save-path", "--n-experts", "--model-parallel", "--keep-mtp")),
-    ("dsv3-to-orbax", ("--hf-ckpt-path", "--save-path")),
-    ("dsv3-fp8-cast-bf16", ("--input-fp8-hf-path", "--output-bf16-hf-path")),
-])
-def test_installed_entry_points(name, flags):
+ENTRY_POINTS = {
+    "dsv3-chat": ("--ckpt-path", "--tiny", "--config", "--input-file", "--interactive", "--complete", "--max-new-tokens",
+                  "--temperature", "--num-devices", "--compute-dtype", "--gemm-impl", "--attn-impl", "--moe-impl",
+                  "--decode-attn", "--unroll", "--max-seq-len", "--mtp", "--coordinator-address"),
+    "dsv3-convert": ("--hf-ckpt-path", "--save-path", "--n-experts", "--model-parallel", "--keep-mtp"),
+    "dsv3-to-orbax": ("--hf-ckpt-path", "--save-path"),
+    "dsv3-fp8-cast-bf16": ("--input-fp8-hf-path", "--output-bf16-hf-path"),
+}
+
+
+@pytest.fixture(scope="module")
+def entry_point_helps() -> dict:
+    """`<script> --help` of each installed console script, run as Python runs the script (its file as
+    `__main__`), all in one process."""
+    scripts = {name: Path(sys.executable).parent / name for name in ENTRY_POINTS}
+    installed = [name for name, script in scripts.items() if script.exists()]
+    return dict(zip(installed, python_each(*(((scripts[name], "--help"), "") for name in installed))))
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_installed_entry_points(name, entry_point_helps):
     """The console scripts (conftest puts this checkout's package first on their path)."""
-    script = Path(sys.executable).parent / name
-    if not script.exists():
+    if name not in entry_point_helps:
         pytest.skip(f"{name} is not installed in this environment")
-    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    result = entry_point_helps[name]
     assert result.returncode == 0, result.stderr
-    for flag in flags:
+    for flag in ENTRY_POINTS[name]:
         assert flag in result.stdout, flag
 
 
@@ -235,13 +265,8 @@ def tiny_with_mtp(directory: Path) -> Path:
     return directory
 
 
-def test_batch_mode_with_mtp_gives_the_greedy_completions(tmp_path):
-    checkpoint = tiny_with_mtp(tmp_path / "tiny_mtp")
-    prompts = ["What is 3 plus 4?", "Describe a red lamp.", "Hello, my name is Ada."]
-    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
-    flags = ("--ckpt-path", str(checkpoint), "--input-file", str(tmp_path / "prompts.txt"), "--num-devices", "1",
-             "--max-new-tokens", "24", "--temperature", "0", "--max-seq-len", "256")
-    plain, fast = run_chat(*flags), run_chat(*flags, "--mtp")
+def test_batch_mode_with_mtp_gives_the_greedy_completions(cli):
+    plain, fast = cli["plain"], cli["mtp"]
     assert plain.returncode == 0, plain.stderr
     assert fast.returncode == 0, fast.stderr
     assert fast.stdout == plain.stdout and plain.stdout.count("Completion: ") == 3

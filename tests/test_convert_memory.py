@@ -10,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 from dsv3_jax.checkpoint.safetensors import TensorIndex
-from test_convert import make_source
+from hf_models import V3_TINY, torch, transformers
+from test_convert import BF16, BLOCK, LINEAR, make_source, mtp_tensors, write_sharded, write_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -63,6 +66,67 @@ def measure(tool: str, make_argv, warm_source: Path, source: Path, directory: Pa
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def random_bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Standard normal values, truncated to bf16 (the top half of each float32)."""
+    bits = rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16
+    return bits.astype(np.uint16).view(BF16)
+
+
+def random_e4m3(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Every finite e4m3 value about equally often (the NaN pattern 0x7f is drawn as -448, 0xfe)."""
+    bits = rng.integers(0, 0xFE, shape, dtype=np.uint8)
+    bits[bits == 0x7F] = 0xFE
+    return bits.view(ml_dtypes.float8_e4m3fn)
+
+
+def saved_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of the tensors `save_pretrained` writes for a DeepseekV3ForCausalLM of
+    `config`: its parameters (on the meta device: no storage), the fused experts as one tensor each."""
+    with torch.device("meta"):
+        params = {name: tuple(t.shape) for name, t in transformers.DeepseekV3ForCausalLM(config).state_dict().items()}
+    shapes = {}
+    for name, shape in params.items():
+        prefix = name.removesuffix("gate_up_proj").removesuffix("down_proj")
+        if not prefix.endswith(".mlp.experts."):
+            shapes[name] = shape
+        elif name.endswith("gate_up_proj"):  # (experts, 2 * inner, dim): gate rows, then up rows
+            for e in range(shape[0]):
+                for part in ("gate_proj", "up_proj"):
+                    shapes[f"{prefix}{e}.{part}.weight"] = (shape[1] // 2, shape[2])
+        else:  # down_proj (experts, dim, inner)
+            for e in range(shape[0]):
+                shapes[f"{prefix}{e}.down_proj.weight"] = shape[1:]
+    return shapes
+
+
+def make_big_source(directory: Path, *, fp8: bool, files: int, **overrides) -> Path:
+    """`make_source`'s checkpoint (its tensor names, shapes and dtypes, files, MTP layer, config and
+    tokenizer) with random values drawn directly: what the tools hold depends on the tensors' sizes,
+    not on their values, and no Hugging Face model is initialised (seconds of CPU at these sizes)."""
+    config = transformers.DeepseekV3Config(**{**V3_TINY, **overrides})
+    rng = np.random.default_rng(3)
+    tensors = {}
+    for name, shape in saved_shapes(config).items():
+        if fp8 and LINEAR.search(name):
+            blocks = tuple(-(-n // BLOCK) for n in shape)
+            tensors[name] = random_e4m3(rng, shape)
+            tensors[name + "_scale_inv"] = rng.uniform(1e-4, 1e-2, blocks).astype(np.float32)
+        else:
+            tensors[name] = random_bf16(rng, shape)
+    tensors.update(mtp_tensors(tensors, config.num_hidden_layers, fp8))
+    directory.mkdir(parents=True)
+    write_sharded(tensors, directory, files)
+    config.architectures, config.dtype = ["DeepseekV3ForCausalLM"], torch.float32  # as save_pretrained writes them
+    config.num_nextn_predict_layers = 1
+    if fp8:
+        config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [BLOCK, BLOCK]}
+    config.to_json_file(directory / "config.json")
+    transformers.GenerationConfig.from_model_config(config).save_pretrained(directory)
+    write_tokenizer(directory)
+    return directory
+
+
 def sizes(directory: Path) -> tuple[int, int]:
     index = TensorIndex(directory)
     nbytes = [index.tensor(n).nbytes for n in index.names()]
@@ -71,7 +135,7 @@ def sizes(directory: Path) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def big_source(tmp_path_factory) -> Path:
-    return make_source(tmp_path_factory.mktemp("big"), "v3", fp8=False, files=5, **BIG)
+    return make_big_source(tmp_path_factory.mktemp("big") / "source", fp8=False, files=5, **BIG)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +166,7 @@ def test_peak_memory_is_about_the_largest_tensor(big_source, tiny_sources, tmp_p
 
 
 def test_cast_peak_memory(tiny_sources, tmp_path_factory, tmp_path, capsys):
-    source = make_source(tmp_path_factory.mktemp("big_fp8"), "v3", fp8=True, files=5, **BIG_FP8)
+    source = make_big_source(tmp_path_factory.mktemp("big_fp8") / "source", fp8=True, files=5, **BIG_FP8)
     total, largest = sizes(source)
     assert total > 24 * largest
     args = lambda src, dst: ["--input-fp8-hf-path", src, "--output-bf16-hf-path", dst]  # noqa: E731
@@ -110,3 +174,18 @@ def test_cast_peak_memory(tiny_sources, tmp_path_factory, tmp_path, capsys):
     report(capsys, "fp8_cast_bf16", total, largest, peak, tmp_path)
     assert peak["traced_peak"] < 3 * largest + 2 * MIB
     assert peak["rss_growth"] < RSS_BOUND * total
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_big_sources_are_laid_out_as_make_source_writes(tiny_sources, tmp_path, kind):
+    """make_big_source at make_source's sizes: the same files, config, tensors (name, shape, dtype) and files' index."""
+    made, drawn = tiny_sources[kind], make_big_source(tmp_path / "source", fp8=kind == "fp8", files=2)
+    assert sorted(p.name for p in drawn.iterdir()) == sorted(p.name for p in made.iterdir())
+    for name in ("config.json", "generation_config.json", "model.safetensors.index.json"):
+        assert json.loads((drawn / name).read_text()) == json.loads((made / name).read_text()), name
+    made_index, drawn_index = TensorIndex(made), TensorIndex(drawn)
+    assert sorted(drawn_index.names()) == sorted(made_index.names())
+    for name in made_index.names():
+        a, b = made_index.tensor(name), drawn_index.tensor(name)
+        assert (a.shape, a.dtype) == (b.shape, b.dtype), name
+        assert np.isfinite(np.asarray(b, np.float32)).all(), name
