@@ -20,6 +20,7 @@ from .checkpoint.mtp import mtp_hf_tensors
 from .checkpoint.export import write_hf_checkpoint as write_checkpoint
 from .checkpoint.schema import hf_name, reference_names, stacked_axes
 from .config import ModelArgs
+from .decode.step import StepParts, step_builder
 from .model.mtp import MTP
 from .model.transformer import Transformer, step_context
 from .options import RunOptions
@@ -85,23 +86,26 @@ def sequence_nll(model, tokens, *, mtp: MTP | None = None, **choices):
     """Per-position -log p of windows tokens (B, S + 1) under an `api.Model` (a loaded checkpoint), on
     its mesh, with its run options (attention naive and experts ragged unless `choices` say otherwise);
     with `mtp` (replicated), also the MTP outputs (see forward_losses)."""
-    args = model.args
     layout = model.layout.unsplit_batch()  # the windows are replicated: every device runs every row
-    specs = partition_specs(model.state, layout)
-    mtp_state = nnx.split(mtp)[1] if mtp is not None else None
-    mtp_graph = nnx.split(mtp)[0] if mtp is not None else None
     options = RunOptions.make(model.options, **{"attn_impl": "naive", "moe_impl": "ragged", **choices})
+    parts = StepParts(model.graphdef, partition_specs(model.state, layout), model.args, model.mesh, options, layout)
+    mtp_graph, mtp_state = nnx.split(mtp) if mtp is not None else (None, None)
+    return _scoring_pass(parts, mtp_graph)(model.state, mtp_state, jnp.asarray(tokens, jnp.int32))
 
+
+@step_builder
+def _scoring_pass(parts: StepParts, mtp_graph):
+    """The jitted, shard_mapped pass of `sequence_nll` (memoized: every batch of an evaluation reuses it)."""
     def local(state, mtp_state, tokens):
         module = nnx.merge(mtp_graph, mtp_state) if mtp_state is not None else None
-        with options.precision_scope():
-            out = forward_losses(nnx.merge(model.graphdef, state), module, args, tokens, options=options,
-                                 layout=layout)
+        with parts.options.precision_scope():
+            out = forward_losses(nnx.merge(parts.graphdef, state), module, parts.args, tokens, options=parts.options,
+                                 layout=parts.layout)
         out.pop("loads")
         return out
 
-    run = jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(specs, P(), P()), out_specs=P(), check_vma=False))
-    return run(model.state, mtp_state, jnp.asarray(tokens, jnp.int32))
+    return jax.jit(jax.shard_map(local, mesh=parts.mesh, in_specs=(parts.state_specs, P(), P()), out_specs=P(),
+                                 check_vma=False))
 
 
 # ------------------------------------------------------------------------ balancing and export
