@@ -100,15 +100,13 @@ def test_kernel_in_interpret_mode_matches_the_twin_in_bfloat16(tmp_path):
     assert np.linalg.norm(logits["kernel"] - ref) / np.linalg.norm(ref) < 2e-2
 
 
-def _step_temp_bytes(prefill_attn: str, length: int) -> int:
-    """Temporary bytes of the compiled prefill step of one row of `length` tokens (window = length)."""
-    args = dsv3_jax.ModelArgs(vocab_size=256, dim=64, inter_dim=96, moe_inter_dim=32, n_layers=2, n_dense_layers=1,
-                              n_heads=4, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
-                              kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-                              max_batch_size=1, max_seq_len=length)
-    model = dsv3_jax.build(args, compute_dtype="float32", prefill_attn=prefill_attn)
+def _step_temp_bytes(model, length: int) -> int:
+    """Temporary bytes of `model`'s compiled prefill step of one row of `length` tokens over a cache of
+    `length` positions (window = length). The step's program depends on the cache's shape, not on the
+    max_seq_len the model was built with: one build serves every length."""
     zeros = np.zeros((1,), np.int32)
-    compiled = model.step.lower(model.state, model.cache, np.zeros((1, length), np.int32), zeros, zeros + length - 1,
+    cache = {name: array[:, :, :length] for name, array in model.cache.items()}
+    compiled = model.step.lower(model.state, cache, np.zeros((1, length), np.int32), zeros, zeros + length - 1,
                                 kv_len=length).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
@@ -116,7 +114,14 @@ def _step_temp_bytes(prefill_attn: str, length: int) -> int:
 def test_prefill_step_memory_does_not_grow_with_queries_times_keys():
     """From the compiled step: 4x the prompt (and window) costs the flash step about 4x the temporaries
     (linear: activations, per-head keys), the dense step about 16x (its float32 (query, key) scores)."""
-    flash = _step_temp_bytes("jnp", 2048) / _step_temp_bytes("jnp", 512)
-    dense = _step_temp_bytes("dense", 2048) / _step_temp_bytes("dense", 512)
+    args = dsv3_jax.ModelArgs(vocab_size=256, dim=64, inter_dim=96, moe_inter_dim=32, n_layers=2, n_dense_layers=1,
+                              n_heads=4, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
+                              kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                              max_batch_size=1, max_seq_len=2048)
+    ratio = {}
+    for prefill_attn in ("jnp", "dense"):
+        model = dsv3_jax.build(args, compute_dtype="float32", prefill_attn=prefill_attn)
+        ratio[prefill_attn] = _step_temp_bytes(model, 2048) / _step_temp_bytes(model, 512)
+    flash, dense = ratio["jnp"], ratio["dense"]
     print(f"temporaries 512 -> 2048 tokens: flash x{flash:.1f}, dense x{dense:.1f}")
     assert flash < 6 and dense > 10
