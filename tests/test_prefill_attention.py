@@ -24,6 +24,16 @@ def checkpoint(tmp_path_factory):
     return hf, save(hf, tmp_path_factory.mktemp("v3"))
 
 
+@pytest.fixture(scope="module")
+def hf_chunks(checkpoint):
+    """Two rows of tokens, the chunk boundaries and HF's logits after each chunk (one oracle run for all
+    the cases)."""
+    hf, _ = checkpoint
+    tokens = np.random.default_rng(22).integers(0, 512, size=(2, 161))
+    splits = [0, 70, 160, 161]
+    return tokens, splits, hf_logits(hf, tokens, splits)
+
+
 def hf_logits(hf, tokens: np.ndarray, splits: list[int]) -> list[np.ndarray]:
     """HF's last-position logits after each chunk [splits[i], splits[i + 1]) through its cache."""
     out, cache = [], None
@@ -45,14 +55,12 @@ def test_flash_is_taken_for_cached_prefill_chunks_only():
 
 
 @pytest.mark.parametrize("attn_impl,devices", [("absorb", 1), ("naive", 1), ("absorb", 4)])
-def test_flash_prefill_chunks_match_hf(checkpoint, attn_impl, devices):
+def test_flash_prefill_chunks_match_hf(checkpoint, hf_chunks, attn_impl, devices):
     """Chunks of 70 and 90 tokens (past the 64-key block, the second from position 70) and a decode step."""
     if len(jax.devices()) < devices:
         pytest.skip(f"needs {devices} devices (the CPU suite forces 4 host devices)")
-    hf, directory = checkpoint
-    tokens = np.random.default_rng(22).integers(0, 512, size=(2, 161))
-    splits = [0, 70, 160, 161]
-    expected = hf_logits(hf, tokens, splits)
+    _, directory = checkpoint
+    tokens, splits, expected = hf_chunks
     model = dsv3_jax.load(directory, compute_dtype="float32", attn_impl=attn_impl, num_devices=devices,
                           max_batch_size=2, max_seq_len=256, prefill_attn="jnp")
     got = [np.asarray(model.forward(tokens[:, a:b], a)) for a, b in zip(splits[:-1], splits[1:])]
@@ -62,18 +70,18 @@ def test_flash_prefill_chunks_match_hf(checkpoint, attn_impl, devices):
 
 
 def test_rows_at_unequal_positions(checkpoint):
-    """One call with rows at positions 0 and 45 equals each row run alone (flash and dense alike). Both
-    chunks are 70 tokens (past the 64-key block), ending in the same 128-position window: the two rows
-    alone run one compiled step."""
+    """One call with rows at positions 0 and 45 equals each row run in a call whose rows share its
+    position (flash and dense alike). The chunks are 70 tokens (past the 64-key block), ending in the
+    same 128-position window, and the prefixes 45: every call is one of two compiled steps."""
     _, directory = checkpoint
     tokens = np.random.default_rng(23).integers(0, 512, size=(2, 120))
     for prefill_attn in ("jnp", "dense"):
         model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=2, max_seq_len=256,
                               prefill_attn=prefill_attn)
-        model.forward(tokens[1:2, :45], 0)
-        alone_1 = np.asarray(model.forward(tokens[1:2, 45:115], 45))[0]
-        alone_0 = np.asarray(model.forward(tokens[0:1, :70], 0))[0]
-        model.forward(np.stack([tokens[1, :45], tokens[1, :45]]), 0)  # row 1's cache holds its first 45
+        model.forward(tokens[:, :45], 0)
+        alone_1 = np.asarray(model.forward(tokens[:, 45:115], 45))[1]
+        alone_0 = np.asarray(model.forward(tokens[:, :70], 0))[0]
+        model.forward(tokens[:, :45], 0)  # row 1's cache holds its first 45 again
         together = np.asarray(model.forward(np.stack([tokens[0, :70], tokens[1, 45:115]]), start_pos=[0, 45]))
         assert np.abs(together - np.stack([alone_0, alone_1])).max() <= 2e-5, prefill_attn
 
@@ -92,15 +100,13 @@ def test_kernel_in_interpret_mode_matches_the_twin_in_bfloat16(tmp_path):
     assert np.linalg.norm(logits["kernel"] - ref) / np.linalg.norm(ref) < 2e-2
 
 
-def _step_temp_bytes(prefill_attn: str, length: int) -> int:
-    """Temporary bytes of the compiled prefill step of one row of `length` tokens (window = length)."""
-    args = dsv3_jax.ModelArgs(vocab_size=256, dim=64, inter_dim=96, moe_inter_dim=32, n_layers=2, n_dense_layers=1,
-                              n_heads=4, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
-                              kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-                              max_batch_size=1, max_seq_len=length)
-    model = dsv3_jax.build(args, compute_dtype="float32", prefill_attn=prefill_attn)
+def _step_temp_bytes(model, length: int) -> int:
+    """Temporary bytes of `model`'s compiled prefill step of one row of `length` tokens over a cache of
+    `length` positions (window = length). The step's program depends on the cache's shape, not on the
+    max_seq_len the model was built with: one build serves every length."""
     zeros = np.zeros((1,), np.int32)
-    compiled = model.step.lower(model.state, model.cache, np.zeros((1, length), np.int32), zeros, zeros + length - 1,
+    cache = {name: array[:, :, :length] for name, array in model.cache.items()}
+    compiled = model.step.lower(model.state, cache, np.zeros((1, length), np.int32), zeros, zeros + length - 1,
                                 kv_len=length).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
@@ -108,7 +114,14 @@ def _step_temp_bytes(prefill_attn: str, length: int) -> int:
 def test_prefill_step_memory_does_not_grow_with_queries_times_keys():
     """From the compiled step: 4x the prompt (and window) costs the flash step about 4x the temporaries
     (linear: activations, per-head keys), the dense step about 16x (its float32 (query, key) scores)."""
-    flash = _step_temp_bytes("jnp", 2048) / _step_temp_bytes("jnp", 512)
-    dense = _step_temp_bytes("dense", 2048) / _step_temp_bytes("dense", 512)
+    args = dsv3_jax.ModelArgs(vocab_size=256, dim=64, inter_dim=96, moe_inter_dim=32, n_layers=2, n_dense_layers=1,
+                              n_heads=4, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
+                              kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                              max_batch_size=1, max_seq_len=2048)
+    ratio = {}
+    for prefill_attn in ("jnp", "dense"):
+        model = dsv3_jax.build(args, compute_dtype="float32", prefill_attn=prefill_attn)
+        ratio[prefill_attn] = _step_temp_bytes(model, 2048) / _step_temp_bytes(model, 512)
+    flash, dense = ratio["jnp"], ratio["dense"]
     print(f"temporaries 512 -> 2048 tokens: flash x{flash:.1f}, dense x{dense:.1f}")
     assert flash < 6 and dense > 10

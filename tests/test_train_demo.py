@@ -98,7 +98,11 @@ def test_sharded_write_reads_back(trained, tmp_path):
 
 def test_position_buckets_match_a_window_by_window_computation(trained, corpus):
     """eval_demo's batched, padded windows give the per-bucket losses, token count and bits per byte of
-    scoring each window of the stream on its own and bucketing its tokens by position in Python."""
+    scoring each window of the stream on its own and bucketing its tokens by position in Python.
+
+    eval_demo scores three batches, the last one short (padded with copies of its first window, scored
+    with weight 0); the window-by-window side cuts the windows from the stream itself, unpadded (the
+    full ones as the rows of one call, whose rows do not interact, the shorter last one alone)."""
     import dsv3_jax
     from dsv3_jax import training
     from dsv3_jax.tokenizer import Tokenizer
@@ -111,14 +115,19 @@ def test_position_buckets_match_a_window_by_window_computation(trained, corpus):
     model = dsv3_jax.load(out, compute_dtype="float32", max_seq_len=seq, max_batch_size=4)
     stream = eval_demo.domain_stream(tokenizer, texts)
     windows, mask = eval_demo.stream_windows(stream, seq, tokenizer.eos_id)
-    scores = eval_demo.score_windows(model, None, windows, mask, batch=4)
+    batch = len(windows) // 3 + 1  # three batches, the third short
+    assert len(windows) > 2 * batch
+    scores = eval_demo.score_windows(model, None, windows, mask, batch=batch)
     table = eval_demo.bucket_table(scores["nll_sum"], scores["count"], buckets)
 
+    starts = range(0, len(stream) - 1, seq)
+    full = [start for start in starts if start + seq + 1 <= len(stream)]
+    nll = list(np.asarray(training.sequence_nll(model, np.stack([stream[s:s + seq + 1] for s in full]))["nll"]))
+    if len(full) < len(starts):
+        nll.append(np.asarray(training.sequence_nll(model, stream[starts[-1]:][None])["nll"])[0])
     by_bucket = {b: [] for b in buckets}
-    for start in range(0, len(stream) - 1, seq):
-        window = stream[start:start + seq + 1][None]
-        nll = np.asarray(training.sequence_nll(model, window)["nll"])[0]
-        for position, value in enumerate(nll):
+    for window_nll in nll:
+        for position, value in enumerate(window_nll):
             by_bucket[next(b for b in buckets if b[0] <= position < b[1])].append(float(value))
     assert sum(len(v) for v in by_bucket.values()) == len(stream) - 1 == int(scores["count"].sum())
     for (lo, hi), values in by_bucket.items():
