@@ -14,13 +14,9 @@ perplexity (2x the worst measured).
 
 The kernels (act_quant, fp8_gemm, weight_dequant) run as their jnp twins here: interpret mode would
 compute the same numbers (bit for bit; the GEMM within 1e-6, tests/test_kernels.py) many times slower.
-The scoring passes are compiled with XLA:CPU's backend optimisation on (see `optimised_scoring`).
 """
-import contextlib
-import functools
 import math
 
-import jax
 import pytest
 
 from kernel_checks import kernel_twins
@@ -30,27 +26,6 @@ PPL_REL_BOUND = 0.015
 WINDOWS = 4
 
 
-class _JaxWithOptimisedJit:
-    """The jax module, but for `jit`, which compiles with XLA:CPU's backend optimisation on."""
-    jit = staticmethod(functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 2}))
-
-    def __getattr__(self, name):
-        return getattr(jax, name)
-
-
-@contextlib.contextmanager
-def optimised_scoring():
-    """Within: `training.sequence_nll` (the scoring pass of each configuration) compiles its program with
-    the backend optimisation the suite turns off to halve compile times. The same program; its 2,052
-    tokens through the fp8 GEMM's jnp twin (block-wise products, scaled and summed) then run about four
-    times faster, the other configurations' about as fast as before counting the longer compile."""
-    from dsv3_jax import training
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(training, "jax", _JaxWithOptimisedJit())
-        yield
-
-
 @pytest.fixture(scope="module")
 def result():
     fidelity_demo = load_script("fidelity_demo")
@@ -58,7 +33,7 @@ def result():
         pytest.skip(f"{fidelity_demo.DATA} holds no evaluation set (scripts/build_demo.py writes it)")
     configs = [c for c in fidelity_demo.CONFIGS if c[0] in (
         "bfloat16", "fp8 weights, gemm bf16", "fp8 weights, gemm fp8", "fp8 ue8m0 scales, gemm fp8")]
-    with kernel_twins(), optimised_scoring():
+    with kernel_twins():
         return fidelity_demo.measure(WINDOWS, configs, mtp=False, seq=512)
 
 
