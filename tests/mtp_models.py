@@ -3,14 +3,16 @@ distribution of the first three tokens it samples.
 
 One config, seed and dtype for all of them, so that the random initialisation (a compiled program
 that does not depend on max_batch_size or max_seq_len) compiles once for the session; the sampling
-tests also share the sizes (SAMPLING_ROWS, SAMPLING_SEQ), so their forward steps compile once too."""
+tests also share the sizes (SAMPLING_ROWS, SAMPLING_SEQ), so their steps compile once too."""
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 import dsv3_jax
 from dsv3_jax.config import ModelArgs
+from dsv3_jax.model.cache import cache_window
 from sampling_oracle import filtered
 
 TINY_CONFIG = Path(dsv3_jax.__file__).parent / "assets" / "tiny" / "config.json"
@@ -33,15 +35,22 @@ def build_tiny_mtp(max_batch_size: int, max_seq_len: int, num_devices: int = 1):
 def three_token_distribution(model, prompt, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
     """The main model's exact filtered distributions (temperature 1, float64 from its logits) of what
     it samples after `prompt`: the first two tokens jointly (VOCAB, VOCAB) and the third (VOCAB,).
-    One `Model.forward` per prefix length, every prefix of that length a row (VOCAB ** 2 <= max_batch_size)."""
-    def probs(prefixes):
-        logits = np.asarray(model.forward(np.array(prefixes))).astype(np.float64)
+    One batch of every prompt + [a, b] (VOCAB ** 2 <= max_batch_size rows) through the model's step,
+    read at three positions (the causal step's logits there see only the tokens up to them): the
+    last prompt token, a and b. Three runs of one compiled step."""
+    prompt = list(prompt)
+    rows = jnp.asarray([prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)], jnp.int32)  # VOCAB * a + b
+    starts = jnp.zeros(len(rows), jnp.int32)
+
+    def probs(index):
+        logits, model.cache = model.step(model.state, model.cache, rows, starts, jnp.full_like(starts, index),
+                                         kv_len=cache_window(rows.shape[1], model.args.max_seq_len))
+        logits = np.asarray(logits).astype(np.float64)
         p = np.exp(logits - logits.max(-1, keepdims=True))
         return np.stack([filtered(row / row.sum(), top_k, top_p) for row in p])
 
-    prompt = list(prompt)
-    first = probs([prompt])[0]
-    second = probs([prompt + [a] for a in range(VOCAB)])  # [a, b]: of b after a
-    third = probs([prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)]).reshape(VOCAB, VOCAB, VOCAB)
+    first = probs(len(prompt) - 1)[0]
+    second = probs(len(prompt))[::VOCAB]  # [a, b]: of b after a
+    third = probs(len(prompt) + 1).reshape(VOCAB, VOCAB, VOCAB)
     joint = first[:, None] * second
     return joint, np.einsum("ab,abc->c", joint, third)

@@ -85,26 +85,28 @@ def hf_pair(tmp_path_factory):
     return hf, dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=4, max_seq_len=128)
 
 
-def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
-    """HF's greedy completion of one prompt (run alone: no padding), without an eos."""
-    ids = torch.tensor([prompt])
+def hf_next_tokens(hf, prompt: list[int], completion: list[int]) -> list[int]:
+    """HF's greedy choice after each prefix prompt + completion[:i] (i < len(completion)), from one causal
+    forward over prompt + completion[:-1] (run alone: no padding). Greedy decoding takes exactly these
+    argmaxes, so a completion equal to them is HF's greedy completion of the prompt (one HF forward
+    instead of one per token)."""
+    ids = torch.tensor([prompt + completion[:-1]])
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        logits = hf(ids, use_cache=False).logits[0, len(prompt) - 1:]
+    return logits.argmax(-1).tolist()
 
 
 def test_greedy_generate_equals_hf_greedy(hf_pair):
     hf, model = hf_pair
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 512, n).tolist() for n in (3, 11, 6, 21)]
-    expected = [hf_greedy(hf, p, 40) for p in prompts]
+    expected = model.generate(prompts, 40, eos_id=-1, temperature=0.0)
     assert [len(e) for e in expected] == [40] * 4
-    assert model.generate(prompts, 40, eos_id=-1, temperature=0.0) == expected
+    assert [hf_next_tokens(hf, p, e) for p, e in zip(prompts, expected)] == expected
 
     # an eos that one row emits midway: that row stops before it, the others go on. HF's greedy run with
-    # that eos is its run without one up to the eos (greedy decoding does not look ahead): its output
-    # cut before the eos is the oracle, without running HF again.
+    # that eos is its run without one up to the eos (greedy decoding does not look ahead): the greedy
+    # completions cut before the eos are the oracle, without running HF again.
     eos = expected[1][9]
     cut = [e[:e.index(eos)] if eos in e else e for e in expected]
     assert len(cut[1]) <= 9 and max(len(c) for c in cut) == 40
@@ -120,14 +122,19 @@ def tiny():
     return dsv3_jax.load(TINY, compute_dtype="float32", max_batch_size=3, max_seq_len=64)
 
 
-def greedy_by_forward(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """Greedy continuation through `Model.forward`: the prompt, then one token at a time (host argmax)."""
-    logits = model.forward(np.array([prompt]))
-    out = []
-    for index in range(new_tokens):
-        out.append(int(np.argmax(np.asarray(logits)[0])))
-        logits = model.forward(np.array([[out[-1]]]), start_pos=len(prompt) + index)
-    return out
+def greedy_by_forward(model, prompts: list[list[int]], new_tokens: int,
+                      prompt_piece: int | None = None) -> list[list[int]]:
+    """Greedy continuations of equal-length prompts through `Model.forward`: the prompts, in forward calls
+    of `prompt_piece` tokens (None: one call), then one token at a time (host argmax)."""
+    tokens = np.array(prompts)
+    piece = prompt_piece or tokens.shape[1]
+    for start in range(0, tokens.shape[1], piece):
+        logits = model.forward(tokens[:, start:start + piece], start_pos=start)
+    out = [np.argmax(np.asarray(logits), -1)]
+    for index in range(new_tokens - 1):
+        logits = model.forward(out[-1][:, None], start_pos=tokens.shape[1] + index)
+        out.append(np.argmax(np.asarray(logits), -1))
+    return np.stack(out, 1).tolist()
 
 
 def test_budgets_follow_the_reference_near_max_seq_len(tiny):
@@ -139,8 +146,9 @@ def test_budgets_follow_the_reference_near_max_seq_len(tiny):
         out = tiny.generate(prompts, max_new, eos_id=-1, temperature=0.0)
     assert len(caught) == 1
     assert [len(c) for c in out] == [30, 24, 0]
-    assert out[0] == greedy_by_forward(tiny, prompts[0], 30)
-    assert out[1] == greedy_by_forward(tiny, prompts[1], 24)
+    # the 5-token prompt token by token: the one-token step that decoding compiles anyway
+    assert [out[0]] == greedy_by_forward(tiny, [prompts[0]], 30, prompt_piece=1)
+    assert [out[1]] == greedy_by_forward(tiny, [prompts[1]], 24)
 
 
 def test_bad_prompts_are_clear_errors(tiny):
@@ -172,7 +180,7 @@ def test_a_2d_integer_array_of_prompts_is_accepted_like_forward(tiny):
         expected = tiny.generate(prompts, 6, eos_id=-1, temperature=0.0)
         assert tiny.generate(np.array(prompts, np.int32), 6, eos_id=-1, temperature=0.0) == expected
         assert tiny.generate(jnp.asarray(prompts), 6, eos_id=-1, temperature=0.0) == expected
-    assert expected[0] == greedy_by_forward(tiny, prompts[0], 6)
+    assert [expected[0]] == greedy_by_forward(tiny, [prompts[0]], 6)
 
 
 def test_seeded_sampling_and_streaming(tiny):
@@ -211,7 +219,9 @@ def test_warm_up_compiles_and_decoding_holds_no_growing_buffers(tiny):
 
 # ------------------------------------------------------------------------------ chunked prefill
 CHUNK = 64
-UNEQUAL = (150, 63, 64, 257)  # inside, just before, at and past chunk boundaries: bucket 512, 8 chunks
+# inside, just before, at and past chunk boundaries: bucket 512, 8 chunks. The first as long as the forward
+# test's rows, so that checking its greedy completion through `forward` reuses that test's compiled steps.
+UNEQUAL = (200, 63, 64, 257)
 
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["1dev", "4dev"])
@@ -249,7 +259,8 @@ def test_chunked_generate_equals_one_step_prefill(chunk_pair):
     prompts = [rng.integers(0, 1024, n).tolist() for n in UNEQUAL]
     greedy = whole.generate(prompts, 10, eos_id=-1, temperature=0.0)
     assert chunked.generate(prompts, 10, eos_id=-1, temperature=0.0) == greedy
-    assert greedy[0] == greedy_by_forward(whole, prompts[0], 10)  # the one-step side is itself right
+    # the one-step side is itself right (two rows, as in the forward test: its compiled steps)
+    assert greedy_by_forward(whole, [prompts[0]] * 2, 10) == [greedy[0]] * 2
     sampled = whole.generate(prompts, 10, eos_id=-1, temperature=1.0, seed=4, top_k=50)
     assert chunked.generate(prompts, 10, eos_id=-1, temperature=1.0, seed=4, top_k=50) == sampled
 
@@ -266,8 +277,8 @@ def test_chunked_prefill_compiles_per_window_not_per_prompt_length(chunk_pair, c
     chunked = chunked_twin(chunk_pair[0])  # a new step: nothing compiled for it yet
     rng = np.random.default_rng(13)
 
-    def run(lengths):
-        return lambda: chunked.generate([rng.integers(0, 1024, n).tolist() for n in lengths], 2, eos_id=-1,
+    def run(lengths):  # one new token: the prefill and the first token's sampling, no decode step
+        return lambda: chunked.generate([rng.integers(0, 1024, n).tolist() for n in lengths], 1, eos_id=-1,
                                         temperature=0.0)
 
     # bucket 512 in chunks of 64 ending at 64, 128, ..., 512: windows 64 (the first chunk), 128, 256, 512
