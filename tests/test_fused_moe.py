@@ -32,13 +32,18 @@ def tiny(weights: str) -> dsv3_jax.ModelArgs:
                               v_head_dim=32, max_batch_size=2, max_seq_len=32, dtype=weights)
 
 
+def step_inputs(vocab_size: int, steps: int):
+    """The prompt rows (2 x 9 tokens, starting at positions 0 and 3) and the `steps` decode tokens."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab_size, (2, 9)).astype(np.int32)
+    next_tokens = rng.integers(0, vocab_size, (steps, 2, 1)).astype(np.int32)
+    return tokens, next_tokens, np.array([0, 3], np.int32)
+
+
 def prefill_and_decode(model, steps: int = 1) -> list[np.ndarray]:
     """Logits of a prefill (rows at different starts) and of `steps` decode steps. One decode step
     suffices: another would run the same compiled step, and the experts keep no state across steps."""
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, model.args.vocab_size, (2, 9)).astype(np.int32)
-    next_tokens = rng.integers(0, model.args.vocab_size, (steps, 2, 1)).astype(np.int32)
-    start = np.array([0, 3], np.int32)
+    tokens, next_tokens, start = step_inputs(model.args.vocab_size, steps)
     logits, model.cache = model.step(model.state, model.cache, tokens, start, np.full((2,), 8, np.int32), kv_len=32)
     out, position = [np.asarray(logits)], start + 9
     for token in next_tokens:
@@ -48,10 +53,26 @@ def prefill_and_decode(model, steps: int = 1) -> list[np.ndarray]:
     return out
 
 
+def one_pass_logits(model, steps: int = 1) -> list[np.ndarray]:
+    """The logits `prefill_and_decode` gives, from one prefill over the prompt and the decode tokens
+    together, read at the prompt's last index and at each decode token's (attention is causal, and
+    the routed experts compute each token on its own): the reference's two results from one compiled
+    step, and its decode logits from no cache."""
+    tokens, next_tokens, start = step_inputs(model.args.vocab_size, steps)
+    every = np.concatenate([tokens, *next_tokens], axis=1)
+    out = []
+    for last in range(8, 9 + steps):
+        logits, model.cache = model.step(model.state, model.cache, every, start, np.full((2,), last, np.int32),
+                                         kv_len=32)
+        out.append(np.asarray(logits))
+    return out
+
+
 @pytest.fixture(scope="module")
 def ragged():
     """ragged(num_devices, weights, gemm_impl, compute_dtype) -> (model, its logits): the reference,
-    built and run once per configuration and shared by every implementation compared with it.
+    built and run once per configuration (`one_pass_logits`) and shared by every implementation
+    compared with it.
     Its weights are those `dsv3_jax.build(tiny(weights), seed=0, ...)` makes under that
     configuration: one random build per weight format (1 device, float32) placed on the mesh and
     held in the configuration's dtypes (a build on another mesh, or in bfloat16, makes the same
@@ -66,7 +87,7 @@ def ragged():
                     random[weights] = dsv3_jax.build(tiny(weights), seed=0, compute_dtype="float32", moe_impl="ragged")
                 model = same_weights(random[weights], make_mesh(num_devices), gemm_impl=gemm_impl,
                                      compute_dtype=compute_dtype)
-                built[key] = model, prefill_and_decode(model)
+                built[key] = model, one_pass_logits(model)
         return built[key]
 
     return get
