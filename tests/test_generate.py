@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")  # a test-only package
 
 import dsv3_jax
 from dsv3_jax import generate as gen
+from dsv3_jax.decode.step import make_step
 from hf_models import hf_model, save
 
 TINY = Path(dsv3_jax.__file__).parent / "assets" / "tiny"
@@ -274,6 +275,7 @@ def compiled(caplog, run) -> list[str]:
 
 
 def test_chunked_prefill_compiles_per_window_not_per_prompt_length(chunk_pair, caplog):
+    make_step.cache_clear()  # the step builders are memoized: forget them, so that the twin's step is new
     chunked = chunked_twin(chunk_pair[0])  # a new step: nothing compiled for it yet
     rng = np.random.default_rng(13)
 
