@@ -12,6 +12,10 @@ import argparse
 import sys
 from typing import Callable, NoReturn, Sequence
 
+import jax
+
+from ..api import auto_num_devices
+
 USER_ERRORS = (ValueError, OSError)
 
 
@@ -27,10 +31,6 @@ def one_line(err: BaseException) -> str:
 def devices_used(model, asked: int | None) -> str:
     """How many devices `model` runs on, for a tool's start-up line; when `--num-devices` was not given
     (`asked` None: the most that the model's dimensions divide into) and that is fewer than all, why."""
-    import jax
-
-    from ..api import auto_num_devices
-
     used, available = model.mesh.devices.size, jax.device_count()
     if asked is not None or used >= available:
         return f"on {used} device(s)"
