@@ -51,22 +51,7 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(SESSION_COMPILE_CACHE, ignore_errors=True)
 
 
-# The files that take longest on a CPU, longest first: they are collected first, so that the parallel
-# workers (`--dist loadfile` hands out whole files in collection order) start them early and end
-# together instead of one worker finishing a long file alone.
-LONGEST_FIRST = ("test_fused_moe.py", "test_yarn_long.py", "test_generate.py", "test_mtp.py", "test_train_demo.py",
-                 "test_fp8_model.py", "test_model.py", "test_chat.py", "test_gemm_mgpu.py", "test_layouts.py",
-                 "test_convert.py", "test_prefill_attention.py", "test_serve_mtp.py", "test_serve.py",
-                 "test_convert_memory.py", "test_serve_distributed.py")
-
-
-def _longest_first(items) -> None:
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order kept
-
-
 def pytest_collection_modifyitems(config, items):
-    _longest_first(items)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a GPU (run on the device with `pytest -m gpu` or `-m gpu_slow`)")
