@@ -62,8 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="smallest attention window of a step; --max-seq-len compiles one window only")
     parser.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a row")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body")
-    parser.add_argument("--num-devices", type=int, default=None, help="devices of the mesh (default: all; on one process, "
-                        "the most that the model's dimensions divide into)")
+    parser.add_argument("--num-devices", type=int, default=None,
+                        help="devices of the mesh (default: all; on one process, the most that the model's "
+                             "dimensions divide into)")
     parser.add_argument("--seed", type=int, default=0, help="--random-config: the weights' seed")
     parser.add_argument("--mtp", action="store_true", help="speculative decoding with the checkpoint's "
                         "multi-token-prediction layer (one draft token per row and step; same outputs when greedy, "

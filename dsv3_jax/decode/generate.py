@@ -11,8 +11,9 @@ the chunk that holds it, and one small step then samples the first tokens. Every
 attends over one cache window (`cache_window(total_len)`) and is compiled once per (batch, window).
 Sampling runs on the device and the per-row `DecodeState` stays there; the cache and the state are
 donated to each step and updated in place (a step whose buffers sit where the previous one's did
-replays its CUDA graph as recorded, with no update of the graph's arguments). Every row advances from its own position, so prompts of unequal
-length need no teacher-forced steps: a row's completion starts right after its own prompt.
+replays its CUDA graph as recorded, with no update of the graph's arguments). Every row advances
+from its own position, so prompts of unequal length need no teacher-forced steps: a row's
+completion starts right after its own prompt.
 """
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ function of fixed shapes:
 
 The cache (main layers plus the MTP block's layer n_layers) and the state are donated; the only host
 transfer per step is a copy of the (B, 4) int32 `out`: the two candidate tokens, how many of them
-the row emits, and whether its draft was accepted. The generation loop that drives these steps is `generate.generate`'s.
+the row emits, and whether its draft was accepted. The generation loop that drives these steps is
+`generate.generate`'s.
 """
 from __future__ import annotations
 
