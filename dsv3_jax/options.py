@@ -57,10 +57,10 @@ class RunOptions:
                           "how the model is split over the devices, a preset of dsv3_jax.sharding.PRESETS: "
                           "attention tensor-parallel (tp), split by batch rows with its cache (dp-attn, "
                           "dp-attn-tp) or replicated (rep-attn, ep-only)")
-    decode_graph: str = _choice("off", ("off", "on", "auto"),
+    decode_graph: str = _choice("auto", ("off", "on", "auto"),
                                 "generate()'s single-token decode steps with the layer scans unrolled and "
                                 "compiled as CUDA graphs (XLA command buffers): one launch replays a step's "
-                                "kernels; a longer first compile (auto: on a GPU)")
+                                "kernels; a longer first compile (auto, the default: on a GPU)")
     unroll: bool = dataclasses.field(default=False, metadata={"help": "unroll the layer scans (longer compile, "
                                                                      "no loop between layers)"})
 
