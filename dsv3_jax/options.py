@@ -63,6 +63,10 @@ class RunOptions:
                                 "kernels; a longer first compile (auto, the default: on a GPU)")
     unroll: bool = dataclasses.field(default=False, metadata={"help": "unroll the layer scans (longer compile, "
                                                                      "no loop between layers)"})
+    fuse_shared_experts: bool = dataclasses.field(default=True, metadata={
+        "help": "run the shared experts inside the routed experts' kernels, as experts every token selects, "
+                "where the step runs moe_impl slots and each rank's shared hidden units split into whole "
+                "experts"})
 
     def __post_init__(self):
         # the short names ModelArgs and the reference use for storage are accepted here too
@@ -106,8 +110,9 @@ def add_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), de
         if field.name in skip:
             continue
         flag, help = "--" + field.name.replace("_", "-"), field.metadata["help"]
-        if field.type == "bool":
-            parser.add_argument(flag, action="store_true", help=help)
+        if field.type == "bool":  # --name / --no-name
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
+                                help=f"{help} (default: {'on' if field.default else 'off'})")
         else:
             default = (defaults or {}).get(field.name, field.default)
             parser.add_argument(flag, default=default, type=type(field.default),

@@ -24,6 +24,7 @@ the stack is larger). As uint16 the same bytes are half as many elements, always
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,8 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
                  *, row_groups: jax.Array | None = None, layer: jax.Array | int | None = None,
                  row_scale: jax.Array | None = None, out_dtype=jnp.float32, block_m: int = 16, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 3, backend: str = "auto",
-                 mosaic_tiles: MosaicTiles | None = None) -> jax.Array:
+                 mosaic_tiles: MosaicTiles | None = None, shared_w: jax.Array | None = None,
+                 shared_w_scale: jax.Array | None = None) -> jax.Array:
     """Rows of x (M, K), sorted by group, times their group's w (G, N, K) transposed -> (M, N).
 
     The groups of the rows come either as `group_sizes` (rows sorted by group) or as `row_groups`
@@ -71,8 +73,15 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
         with an fp8 weight, so that one scale covers a tile's columns). Triton kernel only.
       backend: "auto", "triton" or "mosaic" (the latter in Mosaic GPU interpret mode off a GPU).
       mosaic_tiles: the Mosaic kernel's tiles and pipeline depth (default `MosaicTiles()`).
+      shared_w: optional (N, S * K) (fp8: with shared_w_scale (ceil(N/128), S * K/128)), with row_groups:
+        S more groups G .. G + S - 1 that are K-chunks of one wide weight, group G + s its columns
+        [s K, (s + 1) K): the down projection of shared experts stored as one MLP (see
+        `grouped_gemm_swiglu`'s shared_w1), run as experts every token selects, in the same launch.
     """
     groups = _groups(_FN, group_sizes, row_groups)
+    if shared_w is not None:
+        return _grouped(_FN, x, (w,), (w_scale,), groups, layer, row_scale, False, out_dtype, block_m, block_n,
+                        num_warps, num_stages, shared=_Shared("k", (shared_w,), (shared_w_scale,)))
     tiles = MosaicTiles() if mosaic_tiles is None else mosaic_tiles
     if grouped_gemm_backend(x, w, w_scale, out_dtype=out_dtype, backend=backend, mosaic_tiles=tiles,
                             row_groups=row_groups) == "mosaic":
@@ -113,7 +122,9 @@ def grouped_gemm_backend(x: jax.Array, w: jax.Array, w_scale: jax.Array | None =
 def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array | None = None,
                         w1_scale: jax.Array | None = None, w3_scale: jax.Array | None = None, *,
                         row_groups: jax.Array | None = None, layer: jax.Array | int | None = None, out_dtype=None, block_m: int = 16,
-                        block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+                        block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+                        shared_w1: jax.Array | None = None, shared_w3: jax.Array | None = None,
+                        shared_w1_scale: jax.Array | None = None, shared_w3_scale: jax.Array | None = None) -> jax.Array:
     """The gated hidden state of routed experts in one launch: h = silu(x W1_g^T) * (x W3_g^T).
 
     Same rows, groups (`group_sizes` or `row_groups`), weight forms (bf16 or fp8 + 128x128 scales,
@@ -121,16 +132,60 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
     once and both weights' tiles of the same columns, keeps two float32 accumulators and applies
     silu(a1) * a3 in float32 before storing h in `out_dtype` (default: x's dtype). Rows past the
     groups come out zero.
+
+    shared_w1, shared_w3 (S * N, K) (fp8: with their scales), with row_groups: the shared experts of an
+    MoE layer stored as one MLP of S * N hidden units, run as S more groups G .. G + S - 1, group G + s
+    their hidden units [s N, (s + 1) N): experts every token selects, in the same launch.
     """
     if (w1_scale is None) != (w3_scale is None) or w1.shape != w3.shape or w1.dtype != w3.dtype:
         fail(_SWIGLU, f"w1 and w3 must have one shape and dtype and both or neither a scale; got {w1.shape} "
                       f"{w1.dtype} and {w3.shape} {w3.dtype}")
+    shared = None
+    if shared_w1 is not None or shared_w3 is not None:
+        if shared_w1 is None or shared_w3 is None or shared_w1.shape != shared_w3.shape:
+            fail(_SWIGLU, "shared_w1 and shared_w3 go together, with one shape")
+        shared = _Shared("n", (shared_w1, shared_w3), (shared_w1_scale, shared_w3_scale))
     return _grouped(_SWIGLU, x, (w1, w3), (w1_scale, w3_scale), _groups(_SWIGLU, group_sizes, row_groups), layer,
                     None, True,
-                    x.dtype if out_dtype is None else out_dtype, block_m, block_n, num_warps, num_stages)
+                    x.dtype if out_dtype is None else out_dtype, block_m, block_n, num_warps, num_stages, shared=shared)
 
 
 _SWIGLU = "grouped_gemm_swiglu"
+
+
+class _Shared(NamedTuple):
+    """Always-selected experts stored as one wide weight per kernel weight (2-D, fp8 with scales): chunked
+    along the output ("n": w1, w3 (S N, K)) or the input ("k": w2 (N, S K)); chunk s is group G + s."""
+
+    axis: str
+    weights: tuple
+    scales: tuple
+
+    def count(self, fn: str, n: int, k: int, fp8: bool, dtype) -> int:
+        """S, the number of chunks, after checking the weights against the routed ones' (N, K)."""
+        shape = tuple(self.weights[0].shape)
+        wide, other, step = (0, 1, n) if self.axis == "n" else (1, 0, k)
+        if len(shape) != 2 or shape[other] != (k if self.axis == "n" else n) or not shape[wide] or shape[wide] % step:
+            fail(fn, f"shared weight has shape {shape}, expected {'(S * N, K)' if self.axis == 'n' else '(N, S * K)'} "
+                     f"with N={n}, K={k}")
+        for weight, scale in zip(self.weights, self.scales, strict=True):
+            if (scale is not None) != fp8 or weight.dtype != (FP8 if fp8 else dtype) or weight.shape != shape:
+                fail(fn, "shared weights must take the routed weights' form (dtype, and a scale iff fp8), one shape")
+            if fp8 and (self.axis == "n" and n % BLOCK or tuple(scale.shape) != tuple(cdiv(d, BLOCK) for d in shape)):
+                fail(fn, f"shared fp8 weights {shape} need their 128x128 block scales, and N={n} a multiple of "
+                         f"{BLOCK} when chunked by output")
+        return shape[wide] // step
+
+    def as_groups(self, count: int, n: int, k: int) -> tuple[tuple, tuple]:
+        """The chunks as a (S, N, K) group stack per weight (and (S, ., .) scales): the twin's view."""
+        if self.axis == "n":
+            weights = tuple(w.reshape(count, n, k) for w in self.weights)
+            scales = tuple(None if c is None else c.reshape(count, -1, c.shape[-1]) for c in self.scales)
+        else:
+            weights = tuple(w.reshape(n, count, k).swapaxes(0, 1) for w in self.weights)
+            scales = tuple(None if c is None else c.reshape(c.shape[0], count, -1).swapaxes(0, 1)
+                           for c in self.scales)
+        return weights, scales
 
 
 def _groups(fn: str, group_sizes, row_groups) -> tuple[str, jax.Array]:
@@ -142,9 +197,9 @@ def _groups(fn: str, group_sizes, row_groups) -> tuple[str, jax.Array]:
 
 
 def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, block_m, block_n,
-             num_warps, num_stages):
+             num_warps, num_stages, shared: _Shared | None = None):
     """The shared wrapper: checks, the XLA fallback, the tile schedule and one pallas_call over
-    weights `ws` (one for a plain GEMM, w1 and w3 for swiglu)."""
+    weights `ws` (one for a plain GEMM, w1 and w3 for swiglu), and the `shared` chunks' groups after them."""
     stacked = layer is not None
     w = ws[0]
     if stacked != (w.ndim == 4):
@@ -159,27 +214,38 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
         fail(fn, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 ({m},)")
     n = w.shape[-2]
     fp8 = w_scale is not None
+    n_groups = w.shape[-3]
+    if shared is not None and form != "rows":
+        fail(fn, "shared weights go with row_groups (each row naming its group)")
+    n_shared = 0 if shared is None else shared.count(fn, n, k, fp8, x.dtype)
     interpret = use_interpret()
     if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, *ws, group_data):
         if stacked:
             pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
             ws, scales = tuple(map(pick, ws)), tuple(map(pick, scales))
+        if n_shared:
+            extra_ws, extra_scales = shared.as_groups(n_shared, n, k)
+            ws = tuple(jnp.concatenate([a, b]) for a, b in zip(ws, extra_ws))
+            scales = tuple(None if a is None else jnp.concatenate([a, b]) for a, b in zip(scales, extra_scales))
         if swiglu:
             return grouped_gemm_swiglu_ref(x, *ws, sizes, *scales, out_dtype=out_dtype, row_groups=row_groups)
         return grouped_gemm_ref(x, ws[0], sizes, scales[0], out_dtype, row_scale=row_scale, row_groups=row_groups)
     if not stacked:
         ws, scales = tuple(a[None] for a in ws), tuple(None if s is None else s[None] for s in scales)
+    shared_ws, shared_scales = ((), ()) if shared is None else (tuple(a[None] for a in shared.weights),
+                                                                 tuple(c if c is None else c[None] for c in shared.scales))
     if fp8:
-        ws, x = tuple(map(byte_pairs, ws)), even_odd_columns(x)
+        ws, shared_ws, x = tuple(map(byte_pairs, ws)), tuple(map(byte_pairs, shared_ws)), even_odd_columns(x)
     if form == "sizes":
         schedule, max_tiles = tile_schedule(sizes.astype(jnp.int32), m, block_m, layer)
     else:
-        schedule, max_tiles = row_schedule(row_groups.astype(jnp.int32), w.shape[-3], layer), m
+        schedule, max_tiles = row_schedule(row_groups.astype(jnp.int32), n_groups + n_shared, layer), m
     vma = vma_union(x, *ws, group_data)
     # a tile's rows [row, row + block_m) are masked, but the refs keep a tile of slack past the last
     # row: masked loads past the end of the refs are slower (benchmarks/NOTES.md)
     pad = block_m
-    operands = [schedule, jnp.pad(x, ((0, pad), (0, 0))), *ws] + (list(scales) if fp8 else [])
+    operands = ([schedule, jnp.pad(x, ((0, pad), (0, 0))), *ws, *shared_ws]
+                + (list(scales) + list(shared_scales) if fp8 else []))
     if row_scale is not None:
         operands.append(jnp.pad(row_scale, (0, pad)))
     operands = match_vma(vma, *operands)
@@ -193,7 +259,8 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     every_row_a_tile = form == "rows"
     kernel = functools.partial(_kernel, n=n, k=k, block_m=block_m, block_n=block_n, fp8=fp8,
                                n_weights=len(ws), row_scale=row_scale is not None, swiglu=swiglu,
-                               zero_missing=every_row_a_tile)
+                               zero_missing=every_row_a_tile, n_groups=n_groups,
+                               shared_axis=None if shared is None else shared.axis)
     extra = [] if every_row_a_tile else match_vma(vma, jnp.zeros((m + pad, n), out_dtype))
     out = pl.pallas_call(
         kernel,
@@ -259,16 +326,20 @@ def row_schedule(row_groups: jax.Array, groups: int, layer=0) -> jax.Array:
                       jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (m,))])
 
 
-def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, zero_missing):
-    """One (row tile, column tile) program. refs: the weights (n_weights), their scales (if fp8),
-    row_scale (if given), the zeroed output buffer (aliased to the output; not with zero_missing,
-    where a tile that does not exist stores zeros over its rows), then the output."""
-    w_refs = refs[:n_weights]
-    scale_refs = refs[n_weights:2 * n_weights] if fp8 else (None,) * n_weights
-    row_scale_ref = refs[(2 if fp8 else 1) * n_weights] if row_scale else None
-    o_ref = refs[-1]
+def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, zero_missing,
+            n_groups, shared_axis):
+    """One (row tile, column tile) program. refs: the weights (n_weights), the shared chunks' wide
+    weights (n_weights, if `shared_axis`), the scales of both (if fp8), row_scale (if given), the zeroed
+    output buffer (aliased to the output; not with zero_missing, where a tile that does not exist
+    stores zeros over its rows), then the output."""
+    refs, w_refs = _take(refs, n_weights)
+    refs, shared_refs = _take(refs, n_weights if shared_axis else 0)
+    refs, scale_refs = _take(refs, n_weights if fp8 else 0)
+    refs, shared_scale_refs = _take(refs, n_weights if fp8 and shared_axis else 0)
+    row_scale_ref, o_ref = (refs[0] if row_scale else None), refs[-1]
     tile, j = pl.program_id(0), pl.program_id(1)
     exists = sched_ref[3, tile] > 0
+    group, layer = sched_ref[0, tile], sched_ref[4, tile]
 
     def tile_rows():
         row, end = sched_ref[1, tile], sched_ref[2, tile]
@@ -276,12 +347,7 @@ def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row
         col_ok = (j * block_n + jnp.arange(block_n)) < n
         return pl.ds(row, block_m), pl.ds(j * block_n, block_n), row_ok, col_ok
 
-    @pl.when(exists)
-    def _():
-        group, layer = sched_ref[0, tile], sched_ref[4, tile]
-        rows, cols, row_ok, col_ok = tile_rows()
-        accs = _k_loop(x_ref, w_refs, scale_refs, layer, group, j, rows, cols, row_ok, col_ok,
-                       k=k, block_m=block_m, block_n=block_n, fp8=fp8)
+    def finish(accs, rows, cols, row_ok, col_ok):
         if swiglu:
             acc = jax.nn.sigmoid(accs[0]) * accs[0] * accs[1]  # silu(x W1^T) * (x W3^T), in float32
         else:
@@ -289,6 +355,27 @@ def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row
         if row_scale:
             acc = acc * plgpu.load(row_scale_ref.at[rows], mask=row_ok)[:, None]
         plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+    def run(loaders):
+        rows, cols, row_ok, col_ok = tile_rows()
+        tiles, scales = loaders(cols, col_ok)
+        finish(_k_loop(x_ref, tiles, scales, rows, row_ok, k=k, block_n=block_n, fp8=fp8), rows, cols, row_ok, col_ok)
+
+    def routed(cols, col_ok):
+        tiles = [lambda start, width, w_ref=w_ref: plgpu.load(w_ref.at[layer, group, cols, pl.ds(start, width)],
+                                                              mask=col_ok[:, None]) for w_ref in w_refs]
+        scales = [lambda kb, s_ref=s_ref: s_ref[layer, group, (j * block_n) // BLOCK, kb] for s_ref in scale_refs]
+        return tiles, scales
+
+    @pl.when(exists & (group < n_groups))
+    def _():
+        run(routed)
+
+    if shared_axis:
+        @pl.when(exists & (group >= n_groups))
+        def _():
+            run(functools.partial(_shared_loaders, shared_refs, shared_scale_refs, group - n_groups, j, n=n, k=k,
+                                  block_n=block_n, fp8=fp8, axis=shared_axis))
 
     if zero_missing:
         @pl.when(jnp.logical_not(exists))
@@ -298,9 +385,31 @@ def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row
                         mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _k_loop(x_ref, w_refs, scale_refs, layer, group, j, rows, cols, row_ok, col_ok, *, k, block_m, block_n, fp8):
-    """The K loop shared by every grouped kernel: float32 (block_m, block_n) x-tile times w-tile^T
-    for each of `w_refs` (same group, layer and columns), the x tile loaded once per K block."""
+def _take(refs: tuple, count: int) -> tuple[tuple, tuple]:
+    return refs[count:], refs[:count]
+
+
+def _shared_loaders(w_refs, scale_refs, chunk, j, cols, col_ok, *, n, k, block_n, fp8, axis):
+    """Tile and scale loaders of shared chunk `chunk`, inside wide weights (1, S N, K) ("n") or (1, N, S K) ("k")."""
+    only = jnp.int32(0)  # the wide weights' one-layer stack (a Python int index fails Pallas' interpreter)
+    if axis == "n":
+        out_rows = pl.ds(chunk * n + j * block_n, block_n)
+        tiles = [lambda start, width, w_ref=w_ref: plgpu.load(w_ref.at[only, out_rows, pl.ds(start, width)],
+                                                              mask=col_ok[:, None]) for w_ref in w_refs]
+        scales = [lambda kb, s_ref=s_ref: s_ref[only, (chunk * n + j * block_n) // BLOCK, kb] for s_ref in scale_refs]
+        return tiles, scales
+    words = k // 2 if fp8 else k  # a chunk's K columns (as uint16 pairs of fp8 bytes)
+    tiles = [lambda start, width, w_ref=w_ref: plgpu.load(
+        w_ref.at[only, cols, pl.ds(pl.multiple_of(chunk * words + start, width), width)], mask=col_ok[:, None])
+        for w_ref in w_refs]
+    scales = [lambda kb, s_ref=s_ref: s_ref[only, (j * block_n) // BLOCK, chunk * (k // BLOCK) + kb] for s_ref in scale_refs]
+    return tiles, scales
+
+
+def _k_loop(x_ref, tiles, scales, rows, row_ok, *, k, block_n, fp8):
+    """The K loop shared by every grouped kernel: float32 (block_m, block_n) x-tile times w-tile^T for
+    each weight (`tiles[i](start, width)` loads its (block_n, width) tile at K offset `start`, in fp8
+    byte pairs when fp8, `scales[i](kb)` its scale at K block kb), the x tile loaded once per K block."""
 
     def dot(xb, wb):
         precision = jax.lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None  # no tf32 for float32
@@ -312,23 +421,19 @@ def _k_loop(x_ref, w_refs, scale_refs, layer, group, j, rows, cols, row_ok, col_
         start = pl.multiple_of(kb * BLOCK, BLOCK)
         if not fp8:
             xb = plgpu.load(x_ref.at[rows, pl.ds(start, BLOCK)], mask=row_ok[:, None])
-            return tuple(acc + dot(xb, plgpu.load(w_ref.at[layer, group, cols, pl.ds(start, BLOCK)],
-                                                  mask=col_ok[:, None]))
-                         for acc, w_ref in zip(accs, w_refs))
+            return tuple(acc + dot(xb, tile(start, BLOCK)) for acc, tile in zip(accs, tiles))
         half = BLOCK // 2  # the block's even columns of x meet the low bytes, its odd ones the high
         x_even = plgpu.load(x_ref.at[rows, pl.ds(start, half)], mask=row_ok[:, None])
         x_odd = plgpu.load(x_ref.at[rows, pl.ds(start + half, half)], mask=row_ok[:, None])
         out = []
-        for acc, w_ref, scale_ref in zip(accs, w_refs, scale_refs):
-            words = plgpu.load(w_ref.at[layer, group, cols, pl.ds(pl.multiple_of(kb * half, half), half)],
-                               mask=col_ok[:, None])
-            scale = scale_ref[layer, group, (j * block_n) // BLOCK, kb]
+        for acc, tile, scale_at in zip(accs, tiles, scales):
+            words, scale = tile(pl.multiple_of(kb * half, half), half), scale_at(kb)
             w_even, w_odd = _unpack_fp8_pairs(words)
             out.append(acc + dot(x_even, (w_even * scale).astype(x_even.dtype))
                        + dot(x_odd, (w_odd * scale).astype(x_odd.dtype)))
         return tuple(out)
 
-    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs)
+    zeros = tuple(jnp.zeros((row_ok.shape[0], block_n), jnp.float32) for _ in tiles)
     return jax.lax.fori_loop(0, k // BLOCK, body, zeros)
 
 

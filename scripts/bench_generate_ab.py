@@ -8,7 +8,8 @@ median over the rounds after a compiling round.
     python scripts/bench_generate_ab.py --demo --batches 1,8 --variants off,on        # the shipped demo
     python scripts/bench_generate_ab.py --config configs/config_16B.json --batches 1,8 --variants off,on
 
-Variants: off / on (`decode_graph`), unroll (`unroll=True`), router-xla / router-kernel (`router`). --demo also times mtp=True on held-out prompts.
+Variants: off / on (`decode_graph`), unroll (`unroll=True`), router-xla / router-kernel (`router`),
+shared-apart / shared-fused (`fuse_shared_experts`). --demo also times mtp=True on held-out prompts.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from dsv3_jax.decode.generate import Timing, generate
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {"off": {"decode_graph": "off"}, "on": {"decode_graph": "on"}, "unroll": {"unroll": True},
-            "router-xla": {"router": "xla"}, "router-kernel": {"router": "kernel"}}
+            "router-xla": {"router": "xla"}, "router-kernel": {"router": "kernel"},
+            "shared-apart": {"fuse_shared_experts": False}, "shared-fused": {"fuse_shared_experts": True}}
 
 
 def heldout_prompts(demo: Path, count: int, length: int) -> list[list[int]]:

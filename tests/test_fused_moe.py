@@ -131,3 +131,38 @@ def test_slots_in_a_batch_split_layout(ragged, layout):
     for step, (g, w) in enumerate(zip(prefill_and_decode(split), expected, strict=True)):
         rel = np.linalg.norm(g - w) / np.linalg.norm(w)
         assert rel < 1e-5, f"step {step}: slots ({layout}, 4 devices) vs ragged (1 device) relative L2 {rel:.2e}"
+
+
+def gemms_outside_kernels(jaxpr) -> int:
+    """dot_general equations of a jaxpr and its sub-jaxprs (shard_map, scan, ...), Pallas kernel bodies excluded."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            continue
+        count += eqn.primitive.name == "dot_general"
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    count += gemms_outside_kernels(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    count += gemms_outside_kernels(sub)
+    return count
+
+
+def test_shared_experts_run_inside_the_slot_kernels():
+    """`fuse_shared_experts` on one device: the 4 shared experts (4 x 128 hidden units) run as 4 more experts
+    of the slot kernels, so the shared MLP's three GEMMs leave the (scanned) MoE layer's XLA program, and a
+    decode step's logits equal those with the shared experts apart (float32: a dropped or misread shared
+    expert moves them by O(1)). The fused path against ragged: test_fused_moe_matches_ragged's slots cases,
+    on 1 and 4 devices (4 ranks: one whole shared expert each)."""
+    models = {fuse: dsv3_jax.build(tiny("bf16"), seed=0, num_devices=1, compute_dtype="float32", moe_impl="slots",
+                                   fuse_shared_experts=fuse) for fuse in (True, False)}
+    tokens, start, last = np.array([[5], [7]], np.int32), np.array([0, 0], np.int32), np.zeros(2, np.int32)
+    gemms, logits = {}, {}
+    for fuse, model in models.items():
+        jaxpr = jax.make_jaxpr(lambda s, c: model.step(s, c, tokens, start, last, kv_len=32))(model.state, model.cache)
+        gemms[fuse] = gemms_outside_kernels(jaxpr.jaxpr)
+        logits[fuse] = np.asarray(model.step(model.state, model.cache, tokens, start, last, kv_len=32)[0])
+    assert gemms[False] - gemms[True] == 3, gemms
+    rel = np.linalg.norm(logits[True] - logits[False]) / np.linalg.norm(logits[False])
+    assert rel < 1e-5, rel

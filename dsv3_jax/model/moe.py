@@ -124,7 +124,8 @@ def _kernel_tiles(rows: int, fp8: bool, one_row_tiles: bool = False) -> dict:
 def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | None, group_sizes: jnp.ndarray | None,
                    *, gemm_impl: str = "bf16", scale_fmt: str | None = None, use_kernel: bool = False,
                    stack_index=None, row_scale: jnp.ndarray | None = None,
-                   row_groups: jnp.ndarray | None = None) -> jnp.ndarray:
+                   row_groups: jnp.ndarray | None = None, shared_w: jnp.ndarray | None = None,
+                   shared_w_scale: jnp.ndarray | None = None) -> jnp.ndarray:
     """Rows of x (M, in), sorted by expert, times their expert's W^T (weight (E, out, in)) -> float32.
 
     group_sizes (E,) counts the rows of each expert; rows past their sum come out as zeros.
@@ -136,12 +137,15 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     weight and scale are a stack over layers (L, E, out, in) of which layer `stack_index` is used.
     `row_scale` (M,) float32 multiplies each row's float32 result (in the kernel, before its store).
     `row_groups` (M,) (kernel only) replaces group_sizes: rows in any order, each naming its expert.
+    `shared_w` (out, S * in) (kernel, with row_groups): S more experts past the routed ones, chunks of it
+    along `in` (the shared experts' down projection; `grouped_gemm`).
     """
     if scale is not None and gemm_impl == "fp8":
         x = _fp8_activations(x, scale_fmt, x.dtype if use_kernel else jnp.float32)
     if use_kernel:
         return grouped_gemm(x, weight, group_sizes, scale, row_groups=row_groups, layer=stack_index,
-                            out_dtype=jnp.float32, row_scale=row_scale,
+                            out_dtype=jnp.float32, row_scale=row_scale, shared_w=shared_w,
+                            shared_w_scale=shared_w_scale,
                             **_kernel_tiles(x.shape[0], scale is not None, row_groups is not None))
     if stack_index is not None or row_groups is not None:
         raise ValueError("grouped_matmul: a stack of layers' weights (`stack_index`) or `row_groups` needs the kernel")
@@ -159,14 +163,16 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
 
 def grouped_swiglu(x: jnp.ndarray, w1: jnp.ndarray, w3: jnp.ndarray, scale1: jnp.ndarray | None,
                    scale3: jnp.ndarray | None, group_sizes: jnp.ndarray | None, *, gemm_impl: str = "bf16",
-                   scale_fmt: str | None = None, stack_index=None, row_groups: jnp.ndarray | None = None) -> jnp.ndarray:
+                   scale_fmt: str | None = None, stack_index=None, row_groups: jnp.ndarray | None = None,
+                   **shared) -> jnp.ndarray:
     """silu(x W1_g^T) * (x W3_g^T) in x's dtype from one Pallas launch (`grouped_gemm_swiglu`):
     the "fused" routed-expert path's first half. Same arguments as `grouped_matmul` with
-    use_kernel; with gemm_impl "fp8" and fp8 weights x is rounded through `act_quant` once."""
+    use_kernel; with gemm_impl "fp8" and fp8 weights x is rounded through `act_quant` once.
+    `shared`: the shared experts' weights as more experts (`grouped_gemm_swiglu`'s shared_w1, ...)."""
     if scale1 is not None and gemm_impl == "fp8":
         x = _fp8_activations(x, scale_fmt, x.dtype)
     return grouped_gemm_swiglu(x, w1, w3, group_sizes, scale1, scale3, row_groups=row_groups, layer=stack_index,
-                               out_dtype=x.dtype,
+                               out_dtype=x.dtype, **shared,
                                **_kernel_tiles(x.shape[0], scale1 is not None, row_groups is not None))
 
 
@@ -185,8 +191,24 @@ class Experts(nnx.Module):
         self.w2 = Linear(args.moe_inter_dim, args.dim, axes=("embed", "expert_ffn"), **common)
         self.w3 = Linear(args.dim, args.moe_inter_dim, axes=("expert_ffn", "embed"), **common)
 
+    def impl(self, tokens: int, topk: int, ctx: StepContext) -> str:
+        """The moe_impl a step of `tokens` tokens runs ("auto" resolved by `auto_moe_impl`)."""
+        if ctx.options.moe_impl != "auto":
+            return ctx.options.moe_impl
+        in_dims = (self.w1.weight.shape[-1], self.w2.weight.shape[-1])
+        return auto_moe_impl(tokens * topk, self.w1.weight.shape[-3], grouped_kernel_applies(in_dims))
+
+    def shared_chunks(self, shared: MLP, tokens: int, topk: int, ctx: StepContext) -> int:
+        """How many experts of this layer's shape the shared experts `shared` make inside this step's
+        slot kernels (`RunOptions.fuse_shared_experts`), or 0 where they run apart: not a "slots" step,
+        or this rank's shared hidden units are not a whole number of experts."""
+        inter, width = self.w1.weight.shape[-2], shared.w1.weight.shape[-2]
+        if not ctx.options.fuse_shared_experts or self.impl(tokens, topk, ctx) != "slots" or width % inter:
+            return 0
+        return width // inter
+
     def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, indices: jnp.ndarray, ctx: StepContext,
-                 stack_index=None) -> jnp.ndarray:
+                 stack_index=None, shared: MLP | None = None) -> jnp.ndarray:
         """This rank's share of sum_k weight_k * expert_k(x): x (N, dim), weights/indices (N, k).
 
         moe_impl "auto" picks by the step's size (`auto_moe_impl`): on a GPU "slots" for a few
@@ -194,7 +216,8 @@ class Experts(nnx.Module):
         gathers the experts in use when they are few (decoding), else runs `ragged_dot` over all
         local experts. "fused" runs two Pallas launches: w1, w3 and silu * mul in one
         (`grouped_gemm_swiglu`), then w2 with the routing weights applied to its accumulator
-        (`row_scale`)."""
+        (`row_scale`). `shared` (only where `shared_chunks` is not 0): the shared experts' MLP, whose
+        output joins this one, computed in the same slot kernels."""
         tokens, topk = indices.shape
         stacked = self.w1.weight.ndim == 4
         if stacked != (stack_index is not None):
@@ -203,12 +226,11 @@ class Experts(nnx.Module):
         first = ctx.layout.index("experts") * local_experts
         local_ids = indices.reshape(-1) - first
         mine = (local_ids >= 0) & (local_ids < local_experts)
-        in_dims = (self.w1.weight.shape[-1], self.w2.weight.shape[-1])
-        moe_impl = ctx.options.moe_impl
-        if moe_impl == "auto":
-            moe_impl = auto_moe_impl(tokens * topk, local_experts, grouped_kernel_applies(in_dims))
+        moe_impl = self.impl(tokens, topk, ctx)
         if moe_impl == "slots":
-            return self._slots(x, weights, jnp.where(mine, local_ids, -1), ctx, stack_index)
+            return self._slots(x, weights, jnp.where(mine, local_ids, -1), ctx, stack_index, shared)
+        if shared is not None:
+            raise ValueError("Experts: the shared experts join the routed ones' kernels in slots steps only")
         sort_key = jnp.where(mine, local_ids, local_experts)  # foreign assignments sort to the end
         order = jnp.argsort(sort_key, stable=True)
         token_of = order // topk
@@ -253,30 +275,45 @@ class Experts(nnx.Module):
         out = jnp.where(mine[order][:, None], out, 0.0)  # rows of other ranks' experts were not computed
         return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
 
-    def _slots(self, x, weights, slot_experts, ctx: StepContext, stack_index) -> jnp.ndarray:
+    def _slots(self, x, weights, slot_experts, ctx: StepContext, stack_index, shared: MLP | None) -> jnp.ndarray:
         """moe_impl "slots": the fused kernels over the (token, choice) slots in their own order,
         one row each (`row_groups`), so no argsort, bincount, tile schedule or scatter-add runs;
         slots of other ranks' experts (-1) come out zero. Each slot reads its expert's weights, so
-        experts chosen by several tokens are read several times: for steps of a few tokens."""
+        experts chosen by several tokens are read several times: for steps of a few tokens.
+        With `shared`, each token has one more slot per shared expert (groups past the routed ones,
+        weight 1), which the kernels read from the shared MLP's weights in place."""
         tokens, topk = weights.shape
         stacked = stack_index if self.w1.weight.ndim == 4 else None
         scale = lambda linear: None if linear.scale is None else linear.scale[...]  # noqa: E731
+        slot_experts = slot_experts.reshape(tokens, topk)
+        fused = {}
+        if shared is not None:
+            chunks = shared.w1.weight.shape[-2] // self.w1.weight.shape[-2]
+            ids = self.w1.weight.shape[-3] + jnp.arange(chunks, dtype=slot_experts.dtype)
+            slot_experts = jnp.concatenate([slot_experts, jnp.broadcast_to(ids, (tokens, chunks))], axis=1)
+            weights = jnp.concatenate([weights.astype(jnp.float32), jnp.ones((tokens, chunks), jnp.float32)], axis=1)
+            fused = dict(shared_w1=shared.w1.weight[...], shared_w3=shared.w3.weight[...],
+                         shared_w1_scale=scale(shared.w1), shared_w3_scale=scale(shared.w3))
+        slots = slot_experts.shape[1]
+        slot_experts = slot_experts.reshape(-1)
         # one row per slot: each is a tile of its own (padding the slots to a whole tile of rows
         # would launch a tile per padded row too; benchmarks/NOTES.md)
-        rows = jnp.repeat(x, topk, axis=0)
+        rows = jnp.repeat(x, slots, axis=0)
         row_weights = weights.reshape(-1).astype(jnp.float32)
         hidden = grouped_swiglu(rows, self.w1.weight[...], self.w3.weight[...], scale(self.w1), scale(self.w3),
-                                None, row_groups=slot_experts, **ctx.gemm, stack_index=stacked)
+                                None, row_groups=slot_experts, **ctx.gemm, stack_index=stacked, **fused)
+        down = {} if shared is None else dict(shared_w=shared.w2.weight[...], shared_w_scale=scale(shared.w2))
         out = grouped_matmul(hidden, self.w2.weight[...], scale(self.w2), None, row_groups=slot_experts, **ctx.gemm,
-                             use_kernel=True, stack_index=stacked, row_scale=row_weights)
-        return out.reshape(tokens, topk, -1).sum(axis=1)
+                             use_kernel=True, stack_index=stacked, row_scale=row_weights, **down)
+        return out.reshape(tokens, slots, -1).sum(axis=1)
 
 
 class MoE(nnx.Module):
     """Gate + routed experts + shared experts; one reduction over the experts' ranks assembles the
     output (`Layout.reduction`: a psum, or, when the batch is split over those ranks too, a gather
     of the rows before and a reduce-scatter after). Shared experts split like the routed experts
-    join that reduction; replicated ones run on this rank's own rows after it."""
+    join that reduction (inside the routed experts' slot kernels where `Experts.shared_chunks` says
+    so); replicated ones run on this rank's own rows after it."""
 
     def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), param_dtype=jnp.bfloat16,
                  rngs: nnx.Rngs | None = None):
@@ -302,10 +339,11 @@ class MoE(nnx.Module):
             weights, indices = self.gate(flat, ctx.options.router)
         if valid is not None:  # padding rows' tokens go to no expert (no rank reads an expert for them)
             indices = jnp.where(valid[:, None], indices, -1)
-        with jax.named_scope("routed_experts"):
-            y = self.experts(flat, weights, indices, ctx, stack_index)
         shared_joins = self.shared_experts is not None and layout.reduction("shared_ffn") == (gathered, summed)
-        if shared_joins:
+        inside = shared_joins and self.experts.shared_chunks(self.shared_experts, *indices.shape, ctx) > 0
+        with jax.named_scope("routed_experts"):
+            y = self.experts(flat, weights, indices, ctx, stack_index, self.shared_experts if inside else None)
+        if shared_joins and not inside:
             with jax.named_scope("shared_experts"):
                 y = y + self.shared_experts(flat, ctx).astype(jnp.float32)
         y = layout.reduce_rows(y, gathered, summed)
