@@ -149,14 +149,15 @@ def gemms_outside_kernels(jaxpr) -> int:
     return count
 
 
-def test_shared_experts_run_inside_the_slot_kernels():
-    """`fuse_shared_experts` on one device: the 4 shared experts (4 x 128 hidden units) run as 4 more experts
-    of the slot kernels, so the shared MLP's three GEMMs leave the (scanned) MoE layer's XLA program, and a
-    decode step's logits equal those with the shared experts apart (float32: a dropped or misread shared
-    expert moves them by O(1)). The fused path against ragged: test_fused_moe_matches_ragged's slots cases,
-    on 1 and 4 devices (4 ranks: one whole shared expert each)."""
-    models = {fuse: dsv3_jax.build(tiny("bf16"), seed=0, num_devices=1, compute_dtype="float32", moe_impl="slots",
-                                   fuse_shared_experts=fuse) for fuse in (True, False)}
+@pytest.mark.parametrize("num_devices", [1, 4])
+def test_shared_experts_run_inside_the_slot_kernels(num_devices):
+    """`fuse_shared_experts`: the 4 shared experts (4 x 128 hidden units; on 4 ranks one each) run as more
+    experts of the slot kernels, so the shared MLP's three GEMMs leave the (scanned) MoE layer's XLA program,
+    and a decode step's logits equal those with the shared experts apart, which
+    test_fused_moe_matches_ragged's slots cases hold to ragged (float32: a dropped or misread shared expert
+    moves them by O(1))."""
+    models = {fuse: dsv3_jax.build(tiny("bf16"), seed=0, num_devices=num_devices, compute_dtype="float32",
+                                   moe_impl="slots", fuse_shared_experts=fuse) for fuse in (True, False)}
     tokens, start, last = np.array([[5], [7]], np.int32), np.array([0, 0], np.int32), np.zeros(2, np.int32)
     gemms, logits = {}, {}
     for fuse, model in models.items():
