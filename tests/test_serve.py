@@ -17,6 +17,7 @@ import time
 import zlib
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -201,20 +202,22 @@ def filtered64(logits: np.ndarray, temperature: float, top_k: int, top_p: float)
 
 def test_per_row_distribution_equals_float64_filters():
     """One batch, each row with its own temperature, top_k and top_p (as the server samples), against
-    float64 numpy; and the same rows with shared, static parameters (as `generate` samples)."""
+    float64 numpy; and the same rows with shared, static parameters (as `generate` samples). Jitted, as
+    both callers run it (one program per call form, where eager dispatch compiles every op)."""
     rng = np.random.default_rng(zlib.crc32(b"row_distribution"))
     logits = rng.normal(size=(4, 300)).astype(np.float32) * 3
     settings = [(1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8), (0.5, 50, 0.6)]
     temperature, top_k, top_p = (np.array(column, dtype) for column, dtype in
                                  zip(zip(*settings), (np.float32, np.int32, np.float32)))
-    got = np.asarray(distribution(logits, temperature, top_k=top_k, top_p=top_p), np.float64)
+    per_row, shared_filters = jax.jit(distribution), jax.jit(distribution, static_argnames=("top_k", "top_p"))
+    got = np.asarray(per_row(logits, temperature, top_k=top_k, top_p=top_p), np.float64)
     got /= got.sum(-1, keepdims=True)  # the top-p cut is left unnormalised (a draw does not need it)
     for row, (t, k, p) in enumerate(settings):
         want = filtered64(logits[row], t, k, p)
         np.testing.assert_allclose(got[row], want, rtol=1e-4, atol=1e-7)
         assert ((got[row] > 0) == (want > 0)).all()
         assert (want > 0).sum() < 300 if k or p < 1 else (want > 0).all()  # the filters really cut
-        shared = np.asarray(distribution(logits[row:row + 1], np.float32(t), top_k=k, top_p=p), np.float64)[0]
+        shared = np.asarray(shared_filters(logits[row:row + 1], np.float32(t), top_k=k, top_p=p), np.float64)[0]
         shared /= shared.sum()
         np.testing.assert_allclose(shared, want, rtol=1e-4, atol=1e-7)
 
