@@ -164,8 +164,9 @@ class _Shared(NamedTuple):
     def count(self, fn: str, n: int, k: int, fp8: bool, dtype) -> int:
         """S, the number of chunks, after checking the weights against the routed ones' (N, K)."""
         shape = tuple(self.weights[0].shape)
-        wide, other, step = (0, 1, n) if self.axis == "n" else (1, 0, k)
-        if len(shape) != 2 or shape[other] != (k if self.axis == "n" else n) or not shape[wide] or shape[wide] % step:
+        # (the chunked axis, its chunk size, the other axis, its size)
+        wide, step, other, size = (0, n, 1, k) if self.axis == "n" else (1, k, 0, n)
+        if len(shape) != 2 or shape[other] != size or not shape[wide] or shape[wide] % step:
             fail(fn, f"shared weight has shape {shape}, expected {'(S * N, K)' if self.axis == 'n' else '(N, S * K)'} "
                      f"with N={n}, K={k}")
         for weight, scale in zip(self.weights, self.scales, strict=True):
