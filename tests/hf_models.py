@@ -10,6 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")  # test-only packages: a module that needs them is skipped without
 transformers = pytest.importorskip("transformers")
 
+# The oracles' models are tiny: a second intra-op thread speeds nothing up, and where the cores are
+# busy (test workers, XLA compiling) its spin-waiting costs several times the work itself.
+torch.set_num_threads(1)
+
 V3_TINY = dict(
     vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
     first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,

@@ -156,15 +156,17 @@ def test_chunked_prefill_from_nonzero_start(models):
 
 
 def test_per_row_start_positions(models):
-    """Rows at different positions in one call equal each row run on its own."""
+    """Rows at different positions in one call equal each row run on its own. Every call, of one row or
+    both, is PREFILL tokens long: the test runs the prefill's compiled step and its single-row twin."""
     model = models("v3")
-    tokens = tokens_for(5, length=16)
+    tokens = tokens_for(5, length=2 * PREFILL)
     alone = []
     for row, split in ((0, PREFILL), (1, 3)):
-        model.forward(tokens[row: row + 1, :split], 0)
-        alone.append(np.asarray(model.forward(tokens[row: row + 1, split: split + 3], split))[0])
-    model.forward(tokens[:, :PREFILL], 0)  # row 1 then continues from 3, overwriting its positions 3..5
-    together = np.asarray(model.forward(np.stack([tokens[0, PREFILL:PREFILL + 3], tokens[1, 3:6]]),
+        # caches the row's positions [0, split); those from split on are rewritten by the next call
+        model.forward(tokens[row: row + 1, :PREFILL], 0)
+        alone.append(np.asarray(model.forward(tokens[row: row + 1, split: split + PREFILL], split))[0])
+    model.forward(tokens[:, :PREFILL], 0)  # row 1 then continues from 3, overwriting its positions 3..9
+    together = np.asarray(model.forward(np.stack([tokens[0, PREFILL:2 * PREFILL], tokens[1, 3:3 + PREFILL]]),
                                         start_pos=[PREFILL, 3]))
     assert np.abs(together - np.stack(alone)).max() <= 2e-5
 
