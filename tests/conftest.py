@@ -10,6 +10,10 @@ import zlib
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread for torch (the HF oracles) and OpenBLAS (numpy's float64 oracles), here and in the
+# subprocesses: their operands are tiny, and where the cores are busy (xdist workers, XLA compiling) a
+# second thread spends its time spin-waiting, several times the work itself.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # One compilation cache for the session, new and empty each run, shared with the subprocesses (the
 # CLI and tools compile the same tiny models' steps run after run): a program compiled once, keyed
 # by its HLO and the compiler's options, is not compiled again. Removed when the session ends.
