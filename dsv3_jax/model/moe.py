@@ -201,9 +201,11 @@ class Experts(nnx.Module):
     def shared_chunks(self, shared: MLP, tokens: int, topk: int, ctx: StepContext) -> int:
         """How many experts of this layer's shape the shared experts `shared` make inside this step's
         slot kernels (`RunOptions.fuse_shared_experts`), or 0 where they run apart: not a "slots" step,
-        or this rank's shared hidden units are not a whole number of experts."""
+        this rank's shared hidden units not a whole number of experts, or fp8 experts whose hidden units
+        are not whole 128-blocks (each chunk needs its own block scales)."""
         inter, width = self.w1.weight.shape[-2], shared.w1.weight.shape[-2]
-        if not ctx.options.fuse_shared_experts or self.impl(tokens, topk, ctx) != "slots" or width % inter:
+        if (not ctx.options.fuse_shared_experts or self.impl(tokens, topk, ctx) != "slots" or width % inter
+                or (shared.w1.scale is not None and inter % FP8_BLOCK)):
             return 0
         return width // inter
 
