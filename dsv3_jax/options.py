@@ -42,9 +42,9 @@ class RunOptions:
     decode_attn: str = _choice("auto", ("auto", "xla", "kernel"),
                                "absorbed attention of single-token steps: XLA einsums or the Pallas kernel "
                                "(auto: the kernel on a GPU)")
-    router: str = _choice("xla", ("xla", "kernel"),
+    router: str = _choice("auto", ("auto", "xla", "kernel"),
                           "MoE routing after the gate GEMM (scores, group-limited top-k, weights): XLA ops or "
-                          "one Pallas kernel")
+                          "one Pallas kernel (auto: the kernel on a GPU for decode-sized steps)")
     prefill_attn: str = _choice("auto", ("auto", "kernel", "jnp", "dense"),
                                 "attention of multi-token steps (prefill chunks): flash attention over per-head "
                                 "keys and values, as the Mosaic GPU kernel or its portable jnp twin (online "

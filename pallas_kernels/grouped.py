@@ -77,6 +77,7 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
         S more groups G .. G + S - 1 that are K-chunks of one wide weight, group G + s its columns
         [s K, (s + 1) K): the down projection of shared experts stored as one MLP (see
         `grouped_gemm_swiglu`'s shared_w1), run as experts every token selects, in the same launch.
+        With `layer`, a stack (L, N, S * K) of which the kernel reads the same layer as of w.
     """
     groups = _groups(_FN, group_sizes, row_groups)
     if shared_w is not None:
@@ -135,7 +136,8 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
 
     shared_w1, shared_w3 (S * N, K) (fp8: with their scales), with row_groups: the shared experts of an
     MoE layer stored as one MLP of S * N hidden units, run as S more groups G .. G + S - 1, group G + s
-    their hidden units [s N, (s + 1) N): experts every token selects, in the same launch.
+    their hidden units [s N, (s + 1) N): experts every token selects, in the same launch. With `layer`,
+    stacks (L, S * N, K) read at that layer in place, as w1 and w3 are.
     """
     if (w1_scale is None) != (w3_scale is None) or w1.shape != w3.shape or w1.dtype != w3.dtype:
         fail(_SWIGLU, f"w1 and w3 must have one shape and dtype and both or neither a scale; got {w1.shape} "
@@ -161,31 +163,36 @@ class _Shared(NamedTuple):
     weights: tuple
     scales: tuple
 
-    def count(self, fn: str, n: int, k: int, fp8: bool, dtype) -> int:
-        """S, the number of chunks, after checking the weights against the routed ones' (N, K)."""
+    def count(self, fn: str, n: int, k: int, fp8: bool, dtype, stacked: bool) -> int:
+        """S, the number of chunks, after checking the weights against the routed ones' (N, K); a stack
+        of layers (L, ., .) iff the routed weights are one (the kernel indexes the same layer)."""
         shape = tuple(self.weights[0].shape)
-        # (the chunked axis, its chunk size, the other axis, its size)
-        wide, step, other, size = (0, n, 1, k) if self.axis == "n" else (1, k, 0, n)
-        if len(shape) != 2 or shape[other] != size or not shape[wide] or shape[wide] % step:
-            fail(fn, f"shared weight has shape {shape}, expected {'(S * N, K)' if self.axis == 'n' else '(N, S * K)'} "
-                     f"with N={n}, K={k}")
+        # (the chunked axis, its chunk size, the other axis, its size), counted from the end
+        wide, step, other, size = (-2, n, -1, k) if self.axis == "n" else (-1, k, -2, n)
+        form = ("(L, " if stacked else "(") + ("S * N, K)" if self.axis == "n" else "N, S * K)")
+        if len(shape) != 2 + stacked or shape[other] != size or not shape[wide] or shape[wide] % step:
+            fail(fn, f"shared weight has shape {shape}, expected {form} with N={n}, K={k}")
         for weight, scale in zip(self.weights, self.scales, strict=True):
             if (scale is not None) != fp8 or weight.dtype != (FP8 if fp8 else dtype) or weight.shape != shape:
                 fail(fn, "shared weights must take the routed weights' form (dtype, and a scale iff fp8), one shape")
-            if fp8 and (self.axis == "n" and n % BLOCK or tuple(scale.shape) != tuple(cdiv(d, BLOCK) for d in shape)):
+            if fp8 and (self.axis == "n" and n % BLOCK or tuple(scale.shape) != shape[:-2] + tuple(
+                    cdiv(d, BLOCK) for d in shape[-2:])):
                 fail(fn, f"shared fp8 weights {shape} need their 128x128 block scales, and N={n} a multiple of "
                          f"{BLOCK} when chunked by output")
         return shape[wide] // step
 
-    def as_groups(self, count: int, n: int, k: int) -> tuple[tuple, tuple]:
-        """The chunks as a (S, N, K) group stack per weight (and (S, ., .) scales): the twin's view."""
+    def as_groups(self, count: int, n: int, k: int, layer=None) -> tuple[tuple, tuple]:
+        """The chunks (of stack layer `layer`, if given) as a (S, N, K) group stack per weight (and
+        (S, ., .) scales): the twin's view."""
+        pick = (lambda a: a) if layer is None else (  # noqa: E731
+            lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
+        weights, scales = tuple(map(pick, self.weights)), tuple(map(pick, self.scales))
         if self.axis == "n":
-            weights = tuple(w.reshape(count, n, k) for w in self.weights)
-            scales = tuple(None if c is None else c.reshape(count, -1, c.shape[-1]) for c in self.scales)
+            weights = tuple(w.reshape(count, n, k) for w in weights)
+            scales = tuple(None if c is None else c.reshape(count, -1, c.shape[-1]) for c in scales)
         else:
-            weights = tuple(w.reshape(n, count, k).swapaxes(0, 1) for w in self.weights)
-            scales = tuple(None if c is None else c.reshape(c.shape[0], count, -1).swapaxes(0, 1)
-                           for c in self.scales)
+            weights = tuple(w.reshape(n, count, k).swapaxes(0, 1) for w in weights)
+            scales = tuple(None if c is None else c.reshape(c.shape[0], count, -1).swapaxes(0, 1) for c in scales)
         return weights, scales
 
 
@@ -218,14 +225,14 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     n_groups = w.shape[-3]
     if shared is not None and form != "rows":
         fail(fn, "shared weights go with row_groups (each row naming its group)")
-    n_shared = 0 if shared is None else shared.count(fn, n, k, fp8, x.dtype)
+    n_shared = 0 if shared is None else shared.count(fn, n, k, fp8, x.dtype, stacked)
     interpret = use_interpret()
     if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, *ws, group_data):
         if stacked:
             pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
             ws, scales = tuple(map(pick, ws)), tuple(map(pick, scales))
         if n_shared:
-            extra_ws, extra_scales = shared.as_groups(n_shared, n, k)
+            extra_ws, extra_scales = shared.as_groups(n_shared, n, k, layer if stacked else None)
             ws = tuple(jnp.concatenate([a, b]) for a, b in zip(ws, extra_ws))
             scales = tuple(None if a is None else jnp.concatenate([a, b]) for a, b in zip(scales, extra_scales))
         if swiglu:
@@ -233,8 +240,10 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
         return grouped_gemm_ref(x, ws[0], sizes, scales[0], out_dtype, row_scale=row_scale, row_groups=row_groups)
     if not stacked:
         ws, scales = tuple(a[None] for a in ws), tuple(None if s is None else s[None] for s in scales)
-    shared_ws, shared_scales = ((), ()) if shared is None else (tuple(a[None] for a in shared.weights),
-                                                                 tuple(c if c is None else c[None] for c in shared.scales))
+    shared_ws, shared_scales = ((), ()) if shared is None else (shared.weights, shared.scales)
+    if not stacked:
+        shared_ws, shared_scales = tuple(a[None] for a in shared_ws), tuple(c if c is None else c[None]
+                                                                           for c in shared_scales)
     if fp8:
         ws, shared_ws, x = tuple(map(byte_pairs, ws)), tuple(map(byte_pairs, shared_ws)), even_odd_columns(x)
     if form == "sizes":
@@ -375,7 +384,7 @@ def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row
     if shared_axis:
         @pl.when(exists & (group >= n_groups))
         def _():
-            run(functools.partial(_shared_loaders, shared_refs, shared_scale_refs, group - n_groups, j, n=n, k=k,
+            run(functools.partial(_shared_loaders, shared_refs, shared_scale_refs, layer, group - n_groups, j, n=n, k=k,
                                   block_n=block_n, fp8=fp8, axis=shared_axis))
 
     if zero_missing:
@@ -390,20 +399,20 @@ def _take(refs: tuple, count: int) -> tuple[tuple, tuple]:
     return refs[count:], refs[:count]
 
 
-def _shared_loaders(w_refs, scale_refs, chunk, j, cols, col_ok, *, n, k, block_n, fp8, axis):
-    """Tile and scale loaders of shared chunk `chunk`, inside wide weights (1, S N, K) ("n") or (1, N, S K) ("k")."""
-    only = jnp.int32(0)  # the wide weights' one-layer stack (a Python int index fails Pallas' interpreter)
+def _shared_loaders(w_refs, scale_refs, layer, chunk, j, cols, col_ok, *, n, k, block_n, fp8, axis):
+    """Tile and scale loaders of shared chunk `chunk`, inside layer `layer` of wide weight stacks (L, S N, K)
+    ("n") or (L, N, S K) ("k")."""
     if axis == "n":
         out_rows = pl.ds(chunk * n + j * block_n, block_n)
-        tiles = [lambda start, width, w_ref=w_ref: plgpu.load(w_ref.at[only, out_rows, pl.ds(start, width)],
+        tiles = [lambda start, width, w_ref=w_ref: plgpu.load(w_ref.at[layer, out_rows, pl.ds(start, width)],
                                                               mask=col_ok[:, None]) for w_ref in w_refs]
-        scales = [lambda kb, s_ref=s_ref: s_ref[only, (chunk * n + j * block_n) // BLOCK, kb] for s_ref in scale_refs]
+        scales = [lambda kb, s_ref=s_ref: s_ref[layer, (chunk * n + j * block_n) // BLOCK, kb] for s_ref in scale_refs]
         return tiles, scales
     words = k // 2 if fp8 else k  # a chunk's K columns (as uint16 pairs of fp8 bytes)
     tiles = [lambda start, width, w_ref=w_ref: plgpu.load(
-        w_ref.at[only, cols, pl.ds(pl.multiple_of(chunk * words + start, width), width)], mask=col_ok[:, None])
+        w_ref.at[layer, cols, pl.ds(pl.multiple_of(chunk * words + start, width), width)], mask=col_ok[:, None])
         for w_ref in w_refs]
-    scales = [lambda kb, s_ref=s_ref: s_ref[only, (j * block_n) // BLOCK, chunk * (k // BLOCK) + kb] for s_ref in scale_refs]
+    scales = [lambda kb, s_ref=s_ref: s_ref[layer, (j * block_n) // BLOCK, chunk * (k // BLOCK) + kb] for s_ref in scale_refs]
     return tiles, scales
 
 

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 import dsv3_jax
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.model.attention import FLASH_MIN_QUERIES
-from dsv3_jax.model.moe import FUSED_MAX_ROWS, SLOTS_MAX, Experts, auto_moe_impl
+from dsv3_jax.model.moe import FUSED_MAX_ROWS, ROUTER_KERNEL_MAX_TOKENS, SLOTS_MAX, Experts, auto_moe_impl, router_impl
 from dsv3_jax.options import RunOptions, StepContext
 from dsv3_jax.sharding import make_mesh
 from kernel_checks import kernel_twins
@@ -41,6 +41,7 @@ MOSAIC, TRITON = "mosaic_gpu", "__gpu$xla.gpu.triton"  # the custom calls of the
 # (what, batch, tokens per row, start position): each step goes on from the cache the previous left
 STEPS = [("prefill 2x300", 2, 300, 0), ("decode b=2", 2, 1, 300), ("prefill 8x16", 8, 16, 0), ("decode b=8", 8, 1, 16)]
 MOE_AUTO = ["kernel", "slots", "fused", "fused"]  # what moe_impl "auto" runs at each step (8 experts a token)
+ROUTER_AUTO = ["xla", "kernel", "xla", "kernel"]  # what router "auto" runs at each step
 # which backends' kernels each step lowers to, per (weights, gemm_impl): [(Mosaic, Triton) per step]
 KERNELS = {
     ("bf16", "bf16"): [(True, False), (False, True), (False, True), (False, True)],  # Mosaic grouped GEMM, flash
@@ -111,6 +112,7 @@ def test_the_steps_take_the_paths_named():
     assert [fp8_gemm_path(m, args.q_lora_rank, args.dim) for m in rows] == ["mosaic", "triton", "mosaic", "triton"]
     assert rows[2] == MOSAIC_MIN_M and rows[0] % 128
     assert [seq >= FLASH_MIN_QUERIES for _, _, seq, _ in STEPS] == [True, False, False, False]
+    assert [router_impl("auto", m) for m in rows] == ROUTER_AUTO and rows[3] <= ROUTER_KERNEL_MAX_TOKENS < rows[2]
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +124,7 @@ def auto_runs(built):
     def get(weights: str, gemm_impl: str):
         if (weights, gemm_impl) not in runs:
             auto = variant(built(weights), gemm_impl=gemm_impl)
-            assert (auto.options.moe_impl, auto.options.decode_attn, auto.options.router) == ("auto", "auto", "xla")
+            assert (auto.options.moe_impl, auto.options.decode_attn, auto.options.router) == ("auto", "auto", "auto")
             runs[weights, gemm_impl] = run_steps(auto)
         return runs[weights, gemm_impl]
 
@@ -145,12 +147,18 @@ def test_auto_paths_equal_the_xla_model(built, auto_runs, weights, gemm_impl):
 
 
 def test_router_kernel_in_the_model(built, auto_runs):
-    """router "kernel" (one Pallas launch after the gate GEMM) against the XLA routing, same weights."""
-    xla, kernel = auto_runs("bf16", "bf16"), run_steps(variant(built("bf16"), router="kernel"))
-    for (what, *_), (g, text), (w, xla_text) in zip(STEPS, kernel, xla, strict=True):
-        assert text.count(TRITON) > xla_text.count(TRITON), f"{what}: no router kernel in the step"
-        rel = np.linalg.norm(g - w) / np.linalg.norm(w)
-        assert rel < TOL, f"{what}: router kernel vs XLA routing relative L2 {rel:.2e}"
+    """router "auto" runs the one-launch Pallas router on the decode steps (ROUTER_AUTO) and "kernel" on
+    every step; both against the XLA routing (router "xla"), same weights."""
+    auto, xla = auto_runs("bf16", "bf16"), run_steps(variant(built("bf16"), router="xla"))
+    kernel = run_steps(variant(built("bf16"), router="kernel"))
+    for (what, *_), (a, auto_text), (k, kernel_text), (w, xla_text), picked in zip(STEPS, auto, kernel, xla,
+                                                                                   ROUTER_AUTO, strict=True):
+        assert kernel_text.count(TRITON) > xla_text.count(TRITON), f"{what}: no router kernel in the step"
+        assert (auto_text.count(TRITON) > xla_text.count(TRITON)) == (picked == "kernel"), \
+            f"{what}: router auto should run {picked}"
+        for name, g in (("auto", a), ("kernel", k)):
+            rel = np.linalg.norm(g - w) / np.linalg.norm(w)
+            assert rel < TOL, f"{what}: router {name} vs XLA routing relative L2 {rel:.2e}"
 
 
 # ------------------------------------------------------------------ one rank's experts, zero groups, foreign experts

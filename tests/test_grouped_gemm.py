@@ -183,18 +183,18 @@ def test_row_groups_interpret(fp8, rows):
 
 
 def _shared_case(rng, fp8: bool, groups: int, chunks: int, n: int, k: int):
-    """Routed stacks (2, G, N, K) of w1, w3, w2^T-shaped (2, G, N, K) weights, and one layer's shared MLP:
-    w1, w3 (S N, K) and w2 (N, S K); fp8 weights with their 128x128 block scales."""
+    """Routed stacks (2, G, N, K) of w1, w3, w2^T-shaped (2, G, N, K) weights, and a 2-layer stack of the
+    shared MLP: w1, w3 (2, S N, K) and w2 (2, N, S K); fp8 weights with their 128x128 block scales."""
     def weight(shape):
         w = rng.standard_normal(shape).astype(np.float32)
         if not fp8:
             return jnp.asarray(w), None
         scale = rng.uniform(0.001, 0.05, tuple(-(-d // 128) for d in shape[-2:])).astype(np.float32)
-        if len(shape) == 4:
-            scale = rng.uniform(0.001, 0.05, shape[:2] + scale.shape).astype(np.float32)
+        if len(shape) > 2:
+            scale = rng.uniform(0.001, 0.05, shape[:-2] + scale.shape).astype(np.float32)
         return jnp.asarray((w * 40).astype(jnp.float8_e4m3fn)), jnp.asarray(scale)
     routed = [weight((2, groups, n, k)) for _ in range(3)]
-    shared = [weight((chunks * n, k)), weight((chunks * n, k)), weight((n, chunks * k))]
+    shared = [weight((2, chunks * n, k)), weight((2, chunks * n, k)), weight((2, n, chunks * k))]
     return routed, shared
 
 
@@ -211,7 +211,9 @@ def test_shared_chunks_run_as_more_groups(fp8):
     """Shared experts stored as one MLP (w1, w3 (S N, K), w2 (N, S K)) run as groups G .. G + S - 1 of the
     row_groups kernels, beside a layer of a routed stack: chunk s is hidden units [s N, (s + 1) N) of w1 and
     w3 and columns [s K, (s + 1) K) of w2 (a kernel that read chunk 0 for every s, or the routed weights,
-    or the wrong layer, is off by O(1)); the twin (concatenated groups) agrees. Against float64."""
+    or the wrong layer, is off by O(1)); the twin (concatenated groups) agrees. Against float64. The
+    swiglu reads stacks of both at `layer` in place (the layer scan's form); the down projection takes
+    one layer's weights (an unstacked MoE's form)."""
     rng = np.random.default_rng(21 + fp8)
     groups, chunks, n, k, layer = 3, 2, 128, 256, 1
     (w1, s1), (w3, s3), _ = (routed := _shared_case(rng, fp8, groups, chunks, n, k))[0]
@@ -222,7 +224,7 @@ def test_shared_chunks_run_as_more_groups(fp8):
 
     def weights64(routed_w, routed_s, shared_w, shared_s, axis):
         """Per row, the float64 (N, K) weight its group names (None: no group)."""
-        stack, wide = _dequant64(routed_w, routed_s)[layer], _dequant64(shared_w, shared_s)
+        stack, wide = _dequant64(routed_w, routed_s)[layer], _dequant64(shared_w, shared_s)[layer]
         out = []
         for g in row_groups:
             if 0 <= g < groups:
@@ -245,11 +247,13 @@ def test_shared_chunks_run_as_more_groups(fp8):
     h = grouped_gemm_swiglu(x, w1, w3, None, s1, s3, shared_w1=sw1, shared_w3=sw3, shared_w1_scale=ss1,
                             shared_w3_scale=ss3, **kw)
     assert np.linalg.norm(np.asarray(h) - want_h) / np.linalg.norm(want_h) < 1e-5
-    # the down projection: routed (G, N, K) stand-ins and the shared (N, S K) chunked along K
+    # the down projection: routed (G, N, K) stand-ins and the shared (N, S K) chunked along K, one layer of each
     h_in = jnp.asarray(rng.standard_normal((len(row_groups), k)), jnp.float32)
     w2, s2 = routed[0][2]
     want = product(weights64(w2, s2, sw2, ss2, "k"), np.asarray(h_in, np.float64)) * np.asarray(row_scale)[:, None]
-    got = np.asarray(grouped_gemm(h_in, w2, None, s2, shared_w=sw2, shared_w_scale=ss2, row_scale=row_scale, **kw))
+    one = lambda a: None if a is None else a[layer]  # noqa: E731
+    got = np.asarray(grouped_gemm(h_in, one(w2), None, one(s2), shared_w=one(sw2), shared_w_scale=one(ss2),
+                                  row_scale=row_scale, row_groups=jnp.asarray(row_groups)))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
     named = (row_groups >= 0) & (row_groups < groups + chunks)
     assert not np.any(got[~named]) and not np.any(np.asarray(h)[~named])
@@ -257,7 +261,7 @@ def test_shared_chunks_run_as_more_groups(fp8):
     with jax.default_device(jax.devices()[0]):
         twin = grouped_gemm_ref(h_in, jnp.concatenate([w2[layer].astype(jnp.float32) if s2 is None else
                                                        jnp.asarray(_dequant64(w2, s2)[layer], jnp.float32),
-                                                       jnp.asarray(np.stack([_dequant64(sw2, ss2)[:, c * k:(c + 1) * k]
+                                                       jnp.asarray(np.stack([_dequant64(sw2, ss2)[layer, :, c * k:(c + 1) * k]
                                                                              for c in range(chunks)]), jnp.float32)]),
                                 None, row_scale=row_scale, row_groups=jnp.asarray(row_groups))
     assert np.linalg.norm(np.asarray(twin) - want) / np.linalg.norm(want) < 1e-5
@@ -268,6 +272,8 @@ def test_shared_chunks_are_checked():
     rows = jnp.zeros((4,), jnp.int32)
     with pytest.raises(ValueError, match=r"grouped_gemm: shared weight has shape \(64, 200\), expected \(N, S \* K\)"):
         grouped_gemm(x, w, row_groups=rows, shared_w=jnp.zeros((64, 200)))
+    with pytest.raises(ValueError, match=r"shared weight has shape \(64, 256\), expected \(L, N, S \* K\)"):
+        grouped_gemm(x, w[None], row_groups=rows, layer=0, shared_w=jnp.zeros((64, 256)))  # a stack's one layer
     with pytest.raises(ValueError, match="grouped_gemm_swiglu: shared weights go with row_groups"):
         grouped_gemm_swiglu(x, w, w, jnp.array([2, 2], jnp.int32), shared_w1=jnp.zeros((128, 128)),
                             shared_w3=jnp.zeros((128, 128)))

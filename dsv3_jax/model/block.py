@@ -60,8 +60,10 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None
     cache rows indexed by global layer; returns the output and the stacked new cache entries
     (depth, B, S, ...), and with `loads` the stacked expert loads (depth, E) (None for dense layers).
     `remat` recomputes each layer's activations in the backward pass instead of keeping them (training)."""
-    # routed experts stay whole (the grouped kernel indexes the layer); everything else is scanned over
-    graphdef, routed, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
+    # routed and shared experts stay whole (the grouped kernels index the layer; a slice of the stack
+    # passed to a kernel would be copied out first); everything else is scanned over
+    graphdef, routed, rest = nnx.split(stack, nnx.Any(nnx.PathContains("experts"),
+                                                      nnx.PathContains("shared_experts")), ...)
     depth = jax.tree.leaves(rest)[0].shape[0]
     has_routed = bool(jax.tree.leaves(routed))
 

@@ -105,6 +105,18 @@ def auto_moe_impl(slots: int, local_experts: int, kernels: bool) -> str:
     return "gather" if 2 * slots <= local_experts else "ragged"
 
 
+# router "auto" runs the one-launch kernel on a GPU for steps of up to this many tokens: decode steps,
+# where it was no slower at any batch measured (benchmarks/NOTES.md); larger steps keep XLA's ops.
+ROUTER_KERNEL_MAX_TOKENS = 32
+
+
+def router_impl(router: str, tokens: int) -> str:
+    """What `RunOptions.router` runs for a step of `tokens` tokens ("auto" resolved)."""
+    if router != "auto":
+        return router
+    return "kernel" if jax.default_backend() == "gpu" and tokens <= ROUTER_KERNEL_MAX_TOKENS else "xla"
+
+
 def _fp8_activations(x: jnp.ndarray, scale_fmt: str | None, dtype) -> jnp.ndarray:
     """x rounded through `act_quant` (gemm_impl "fp8"): its per-128 fp8 values times their scales."""
     xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
@@ -310,6 +322,16 @@ class Experts(nnx.Module):
         return out.reshape(tokens, slots, -1).sum(axis=1)
 
 
+def layer_of(module: nnx.Module, stack_index) -> nnx.Module:
+    """Layer `stack_index` of a module whose parameters carry a leading layer axis (the layer scan keeps
+    the experts' stacks whole, see `run_stack`); `module` itself when `stack_index` is None."""
+    if stack_index is None:
+        return module
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, jax.tree.map(
+        lambda a: jax.lax.dynamic_index_in_dim(a, stack_index, 0, keepdims=False), state))
+
+
 class MoE(nnx.Module):
     """Gate + routed experts + shared experts; one reduction over the experts' ranks assembles the
     output (`Layout.reduction`: a psum, or, when the batch is split over those ranks too, a gather
@@ -338,7 +360,7 @@ class MoE(nnx.Module):
         else:
             flat = layout.gather_rows(local, gathered)
         with jax.named_scope("gate"):
-            weights, indices = self.gate(flat, ctx.options.router)
+            weights, indices = self.gate(flat, router_impl(ctx.options.router, flat.shape[0]))
         if valid is not None:  # padding rows' tokens go to no expert (no rank reads an expert for them)
             indices = jnp.where(valid[:, None], indices, -1)
         shared_joins = self.shared_experts is not None and layout.reduction("shared_ffn") == (gathered, summed)
@@ -347,11 +369,11 @@ class MoE(nnx.Module):
             y = self.experts(flat, weights, indices, ctx, stack_index, self.shared_experts if inside else None)
         if shared_joins and not inside:
             with jax.named_scope("shared_experts"):
-                y = y + self.shared_experts(flat, ctx).astype(jnp.float32)
+                y = y + layer_of(self.shared_experts, stack_index)(flat, ctx).astype(jnp.float32)
         y = layout.reduce_rows(y, gathered, summed)
         if self.shared_experts is not None and not shared_joins:
             with jax.named_scope("shared_experts"):
-                y = y + self.shared_experts(local, ctx, reduce=True).astype(jnp.float32)
+                y = y + layer_of(self.shared_experts, stack_index)(local, ctx, reduce=True).astype(jnp.float32)
         y = y.astype(x.dtype).reshape(shape)
         if not loads:
             return y
