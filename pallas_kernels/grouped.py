@@ -249,7 +249,9 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     if form == "sizes":
         schedule, max_tiles = tile_schedule(sizes.astype(jnp.int32), m, block_m, layer)
     else:
-        schedule, max_tiles = row_schedule(row_groups.astype(jnp.int32), n_groups + n_shared, layer), m
+        schedule = row_schedule(row_groups.astype(jnp.int32), n_groups + n_shared, layer,
+                                merge_from=n_groups if n_shared else None, block_m=block_m)
+        max_tiles = m
     vma = vma_union(x, *ws, group_data)
     # a tile's rows [row, row + block_m) are masked, but the refs keep a tile of slack past the last
     # row: masked loads past the end of the refs are slower (benchmarks/NOTES.md)
@@ -264,8 +266,9 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     # 3 x 80 KiB), so the pipeline is cut to what fits
     stage_bytes = block_m * BLOCK * x.dtype.itemsize + len(ws) * block_n * BLOCK * (1 if fp8 else w.dtype.itemsize)
     num_stages = max(1, min(num_stages, SHARED_MEMORY_BYTES // stage_bytes))
-    # with row_groups every row is a tile of its own, which stores zeros if the row names no group;
-    # sorted rows past the groups belong to no tile, so that output starts as a zeroed buffer
+    # with row_groups every row is in a tile (its own, or its shared run's), which stores zeros if the
+    # row names no group; sorted rows past the groups belong to no tile, so that output starts as a
+    # zeroed buffer
     every_row_a_tile = form == "rows"
     kernel = functools.partial(_kernel, n=n, k=k, block_m=block_m, block_n=block_n, fp8=fp8,
                                n_weights=len(ws), row_scale=row_scale is not None, swiglu=swiglu,
@@ -326,13 +329,32 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tupl
     return jnp.stack([group, row, ends[group], exists, layers]).astype(jnp.int32), max_tiles
 
 
-def row_schedule(row_groups: jax.Array, groups: int, layer=0) -> jax.Array:
-    """The `tile_schedule` of rows that name their groups: tile r is row r alone (M tiles), and
-    exists iff the row names one of the `groups` groups."""
+# schedule code of a row that another row's tile covers: its program does nothing
+COVERED = -1
+
+
+def row_schedule(row_groups: jax.Array, groups: int, layer=0, merge_from: int | None = None,
+                 block_m: int = 16) -> jax.Array:
+    """The `tile_schedule` of rows that name their groups (M tiles): tile r is row r alone, and
+    exists iff the row names one of the `groups` groups. Rows naming groups >= `merge_from` (the
+    shared experts, which a step's tokens all select) merge: a run of consecutive rows of one such
+    group is read in tiles of up to `block_m` rows, each tile the program of its first row; the other
+    rows' programs are COVERED (they do nothing), so the group's weights are read once per tile, not
+    once per row."""
     m = row_groups.shape[0]
     rows = jnp.arange(m, dtype=jnp.int32)
-    exists = (row_groups >= 0) & (row_groups < groups)
-    return jnp.stack([jnp.clip(row_groups, 0, groups - 1), rows, rows + 1, exists.astype(jnp.int32),
+    exists = ((row_groups >= 0) & (row_groups < groups)).astype(jnp.int32)
+    ends = rows + 1
+    if merge_from is not None and m:
+        merges = (row_groups >= merge_from) & (row_groups < groups)
+        same = jnp.concatenate([jnp.zeros((1,), bool), merges[1:] & (row_groups[1:] == row_groups[:-1])])
+        run_start = jax.lax.cummax(jnp.where(same, 0, rows))
+        run_end = jax.lax.cummin(jnp.where(jnp.concatenate([~same[1:], jnp.ones((1,), bool)]), rows + 1, m),
+                                 reverse=True)
+        first = (rows - run_start) % block_m == 0
+        ends = jnp.where(merges, jnp.minimum(rows + block_m, run_end), ends)
+        exists = jnp.where(merges & ~first, COVERED, exists)
+    return jnp.stack([jnp.clip(row_groups, 0, groups - 1), rows, ends, exists,
                       jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (m,))])
 
 
@@ -388,7 +410,7 @@ def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row
                                   block_n=block_n, fp8=fp8, axis=shared_axis))
 
     if zero_missing:
-        @pl.when(jnp.logical_not(exists))
+        @pl.when(sched_ref[3, tile] == 0)
         def _():
             rows, cols, row_ok, col_ok = tile_rows()
             plgpu.store(o_ref.at[rows, cols], jnp.zeros((block_m, block_n), o_ref.dtype),

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped import grouped_gemm, grouped_gemm_swiglu, tile_schedule
+from pallas_kernels.grouped import COVERED, grouped_gemm, grouped_gemm_swiglu, row_schedule, tile_schedule
 from pallas_kernels.reference import grouped_gemm_ref, grouped_gemm_swiglu_ref
 
 CASES = [  # (rows per group, N, K, block_m, block_n)
@@ -218,7 +218,9 @@ def test_shared_chunks_run_as_more_groups(fp8):
     groups, chunks, n, k, layer = 3, 2, 128, 256, 1
     (w1, s1), (w3, s3), _ = (routed := _shared_case(rng, fp8, groups, chunks, n, k))[0]
     (sw1, ss1), (sw3, ss3), (sw2, ss2) = routed[1]
-    row_groups = np.array([4, 0, 3, -1, 2, 4, 3, 5], np.int32)  # 3, 4: shared chunks 0, 1; -1 and 5 name none
+    # 3, 4: shared chunks 0, 1; -1 and 5 name none. Single shared rows, then runs of one chunk longer and
+    # shorter than a tile (16 rows), which the kernel reads in merged tiles (a wrong tile end misses rows)
+    row_groups = np.array([4, 0, 3, -1, 2, 4, 3, 5] + [3] * 18 + [4] * 3 + [1], np.int32)
     x = jnp.asarray(rng.standard_normal((len(row_groups), k)), jnp.float32)
     row_scale = jnp.asarray(rng.uniform(-2, 2, len(row_groups)), jnp.float32)
 
@@ -350,6 +352,27 @@ def test_tile_schedule_covers_every_row_once():
                 assert owner[r] == -1
                 owner[r] = group
     np.testing.assert_array_equal(owner, np.repeat(np.arange(6), np.asarray(sizes)))
+
+
+def test_row_schedule_merges_shared_runs_into_tiles():
+    """Rows of groups >= merge_from in runs of one group share tiles of up to block_m rows; every row that
+    names a group lies in exactly one existing tile of its group, each tile starts at its own program's
+    row, rows naming no group are zero-filled tiles of their own, and the rest of a run's programs idle."""
+    groups = np.array([0, 5, 5, 2, 4, 4, 4, 4, 4, 1, 5, -1, 4, 4, 0, 6] + [5] * 5, np.int32)  # 4, 5 shared
+    schedule = np.asarray(row_schedule(jnp.asarray(groups), 6, 3, merge_from=4, block_m=4))
+    owner, tile_rows = np.full(len(groups), -1), []
+    for program, (group, row, end, code, layer) in enumerate(schedule.T):
+        assert row == program and layer == 3
+        if code == 1:
+            assert 1 <= end - row <= (4 if group >= 4 else 1)
+            tile_rows.append(end - row)
+            for r in range(row, end):
+                assert owner[r] == -1
+                owner[r] = group
+        else:
+            assert code == (COVERED if 0 <= groups[program] < 6 else 0)
+    np.testing.assert_array_equal(owner, np.where((groups >= 0) & (groups < 6), groups, -1))
+    assert tile_rows.count(4) == 2 and len(tile_rows) == 11  # 6 single rows; runs 5,5 | 4x5: 4+1 | 4,4 | 5x5: 4+1
 
 
 @pytest.mark.parametrize("kwargs, message", [

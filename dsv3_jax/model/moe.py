@@ -295,31 +295,32 @@ class Experts(nnx.Module):
         slots of other ranks' experts (-1) come out zero. Each slot reads its expert's weights, so
         experts chosen by several tokens are read several times: for steps of a few tokens.
         With `shared`, each token has one more slot per shared expert (groups past the routed ones,
-        weight 1), which the kernels read from the shared MLP's weights in place."""
+        weight 1), after the routed slots chunk by chunk; the kernels read the shared MLP's weights in
+        place, several tokens' rows to a tile."""
         tokens, topk = weights.shape
         stacked = stack_index if self.w1.weight.ndim == 4 else None
         scale = lambda linear: None if linear.scale is None else linear.scale[...]  # noqa: E731
-        slot_experts = slot_experts.reshape(tokens, topk)
-        fused = {}
+        # one row per slot, token-major: each is a tile of its own (padding the slots to a whole tile of
+        # rows would launch a tile per padded row too; benchmarks/NOTES.md)
+        rows, row_groups, row_weights = jnp.repeat(x, topk, axis=0), slot_experts, weights.reshape(-1)
+        fused, down, chunks = {}, {}, 0
         if shared is not None:
+            # then each shared chunk's rows, chunk-major: the kernels read a chunk in tiles of several
+            # tokens' rows (`row_schedule` merges a run of one shared group)
             chunks = shared.w1.weight.shape[-2] // self.w1.weight.shape[-2]
             ids = self.w1.weight.shape[-3] + jnp.arange(chunks, dtype=slot_experts.dtype)
-            slot_experts = jnp.concatenate([slot_experts, jnp.broadcast_to(ids, (tokens, chunks))], axis=1)
-            weights = jnp.concatenate([weights.astype(jnp.float32), jnp.ones((tokens, chunks), jnp.float32)], axis=1)
+            rows = jnp.concatenate([rows, jnp.tile(x, (chunks, 1))])
+            row_groups = jnp.concatenate([row_groups, jnp.repeat(ids, tokens)])
+            row_weights = jnp.concatenate([row_weights.astype(jnp.float32), jnp.ones((chunks * tokens,), jnp.float32)])
             fused = dict(shared_w1=shared.w1.weight[...], shared_w3=shared.w3.weight[...],
                          shared_w1_scale=scale(shared.w1), shared_w3_scale=scale(shared.w3))
-        slots = slot_experts.shape[1]
-        slot_experts = slot_experts.reshape(-1)
-        # one row per slot: each is a tile of its own (padding the slots to a whole tile of rows
-        # would launch a tile per padded row too; benchmarks/NOTES.md)
-        rows = jnp.repeat(x, slots, axis=0)
-        row_weights = weights.reshape(-1).astype(jnp.float32)
+            down = dict(shared_w=shared.w2.weight[...], shared_w_scale=scale(shared.w2))
         hidden = grouped_swiglu(rows, self.w1.weight[...], self.w3.weight[...], scale(self.w1), scale(self.w3),
-                                None, row_groups=slot_experts, **ctx.gemm, stack_index=stacked, **fused)
-        down = {} if shared is None else dict(shared_w=shared.w2.weight[...], shared_w_scale=scale(shared.w2))
-        out = grouped_matmul(hidden, self.w2.weight[...], scale(self.w2), None, row_groups=slot_experts, **ctx.gemm,
-                             use_kernel=True, stack_index=stacked, row_scale=row_weights, **down)
-        return out.reshape(tokens, slots, -1).sum(axis=1)
+                                None, row_groups=row_groups, **ctx.gemm, stack_index=stacked, **fused)
+        out = grouped_matmul(hidden, self.w2.weight[...], scale(self.w2), None, row_groups=row_groups, **ctx.gemm,
+                             use_kernel=True, stack_index=stacked, row_scale=row_weights.astype(jnp.float32), **down)
+        routed = out[:tokens * topk].reshape(tokens, topk, -1).sum(axis=1)
+        return routed + out[tokens * topk:].reshape(chunks, tokens, -1).sum(axis=0) if chunks else routed
 
 
 def layer_of(module: nnx.Module, stack_index) -> nnx.Module:
