@@ -55,13 +55,28 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(SESSION_COMPILE_CACHE, ignore_errors=True)
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected
 def pytest_collection_modifyitems(config, items):
+    _keep_shard(config, items)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a GPU (run on the device with `pytest -m gpu` or `-m gpu_slow`)")
     for item in items:
         if "gpu" in item.keywords or "gpu_slow" in item.keywords:
             item.add_marker(skip)
+
+
+def _keep_shard(config, items):
+    """DSV3_TEST_SHARD="i/n" keeps every n-th selected test from the i-th (scripts/gpu_tests.sh runs a
+    slow file's GPU tests as n processes side by side)."""
+    shard = os.environ.get("DSV3_TEST_SHARD")
+    if not shard:
+        return
+    index, count = (int(part) for part in shard.split("/"))
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"DSV3_TEST_SHARD={shard!r}: expected i/n with 0 <= i < n")
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % count != index])
+    items[:] = [item for i, item in enumerate(items) if i % count == index]
 
 
 @pytest.fixture(scope="session")
