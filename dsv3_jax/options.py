@@ -63,7 +63,7 @@ class RunOptions:
                                 "kernels; a longer first compile (auto, the default: on a GPU)")
     unroll: bool = dataclasses.field(default=False, metadata={"help": "unroll the layer scans (longer compile, "
                                                                      "no loop between layers)"})
-    fuse_shared_experts: bool = dataclasses.field(default=False, metadata={
+    fuse_shared_experts: bool = dataclasses.field(default=True, metadata={
         "help": "run the shared experts inside the routed experts' kernels, as experts every token selects, "
                 "where the step runs moe_impl slots and each rank's shared hidden units split into whole "
                 "experts"})

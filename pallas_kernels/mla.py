@@ -59,9 +59,30 @@ def mla_decode(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_p
         fail(_FN, f"caches {kv_cache.shape}, {pe_cache.shape} do not match q {q_latent.shape}, q_pe {q_pe.shape}")
     if kv_len > kv_cache.shape[2] or batch > kv_cache.shape[1]:
         fail(_FN, f"kv_len={kv_len} / batch={batch} exceed the cache {kv_cache.shape}")
-    interpret = use_interpret()
-    if interpret_in_shard_map(interpret, q_latent, kv_cache):
+    if interpret_in_shard_map(use_interpret(), q_latent, kv_cache):
         return mla_decode_ref(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_pe, scale=scale)
+    acc, m, l = mla_decode_splits(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, kv_len=kv_len, scale=scale,
+                                  block_t=block_t, block_h=block_h, splits=splits, num_warps=num_warps,
+                                  num_stages=num_stages)
+    # merge the splits and the new entry: a log-sum-exp over (splits + 1) partial softmaxes
+    f32 = jnp.float32
+    own = (jnp.einsum("bhc,bc->bh", q_latent.astype(f32), new_kv.astype(f32))
+           + jnp.einsum("bhr,br->bh", q_pe.astype(f32), new_pe.astype(f32))) * scale
+    top = jnp.maximum(m.max(axis=1), own)
+    weight = jnp.exp(m - top[:, None])  # (B, splits, H)
+    own_weight = jnp.exp(own - top)
+    total = (l * weight).sum(axis=1) + own_weight
+    out = (acc * weight[..., None]).sum(axis=1) + own_weight[..., None] * new_kv.astype(f32)[:, None, :]
+    return out / total[..., None]
+
+
+def mla_decode_splits(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, *, kv_len: int, scale: float,
+                      block_t: int = 64, block_h: int = 16, splits: int | None = None, num_warps: int = 4,
+                      num_stages: int = 2) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The cache part of `mla_decode` (arguments as there), unmerged: per split of the positions its
+    float32 (B, S, H, R) softmax-weighted latents, (B, S, H) running maxima and (B, S, H) sums."""
+    batch, heads, rank = q_latent.shape
+    interpret = use_interpret()
     splits = splits or default_splits(batch, heads, kv_len, block_t, block_h)
     chunk = cdiv(cdiv(kv_len, splits), block_t) * block_t
     lengths = jnp.minimum(lengths.astype(jnp.int32), kv_len)
@@ -80,16 +101,7 @@ def mla_decode(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_p
         interpret=interpret,
         name="mla_decode",
     )(*operands)
-    # merge the splits and the new entry: a log-sum-exp over (splits + 1) partial softmaxes
-    f32 = jnp.float32
-    own = (jnp.einsum("bhc,bc->bh", q_latent.astype(f32), new_kv.astype(f32))
-           + jnp.einsum("bhr,br->bh", q_pe.astype(f32), new_pe.astype(f32))) * scale
-    top = jnp.maximum(m.max(axis=1), own)
-    weight = jnp.exp(m - top[:, None])  # (B, splits, H)
-    own_weight = jnp.exp(own - top)
-    total = (l * weight).sum(axis=1) + own_weight
-    out = (acc * weight[..., None]).sum(axis=1) + own_weight[..., None] * new_kv.astype(f32)[:, None, :]
-    return out / total[..., None]
+    return acc, m, l
 
 
 def default_splits(batch: int, heads: int, kv_len: int, block_t: int, block_h: int) -> int:
@@ -134,3 +146,166 @@ def _kernel(meta_ref, q_ref, qpe_ref, kv_ref, pe_ref, acc_ref, m_ref, l_ref, *, 
     plgpu.store(acc_ref.at[b, split, hs, :], acc, mask=head_ok[:, None])
     plgpu.store(m_ref.at[b, split, hs], m, mask=head_ok)
     plgpu.store(l_ref.at[b, split, hs], l, mask=head_ok)
+
+
+# ---------------------------------------------------------------- wkv_b's absorption around the decode attention
+_QUERY, _OUTPUT = "mla_absorb_query", "mla_decode_output"
+
+
+def _wkv_b_stack(fn: str, wkv_b, layer, heads: int, nope: int, rank: int):
+    """wkv_b (H (D + V), C) or a stack (L, H (D + V), C) with `layer`, as a stack and its layer (1,) int32."""
+    if (wkv_b.ndim == 3) != (layer is not None) or wkv_b.ndim not in (2, 3):
+        fail(fn, f"wkv_b has shape {tuple(wkv_b.shape)}: a stack (L, H * (D + V), C) goes with `layer`, "
+                 "(H * (D + V), C) without")
+    stack = wkv_b if wkv_b.ndim == 3 else wkv_b[None]
+    per_head = stack.shape[1] // heads
+    if stack.shape[1] % heads or per_head <= nope or stack.shape[2] != rank:
+        fail(fn, f"wkv_b has shape {tuple(wkv_b.shape)}, expected H * (D + V) rows for H={heads} heads of D={nope} "
+                 f"key dims plus value dims, and C={rank} columns")
+    return stack, jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+
+
+def _wkv_b_layer(wkv_b, layer, heads: int) -> jax.Array:
+    """float32 (H, D + V, C): one layer of wkv_b, per head."""
+    w = wkv_b if layer is None else jax.lax.dynamic_index_in_dim(wkv_b, layer, 0, keepdims=False)
+    return w.astype(jnp.float32).reshape(heads, -1, w.shape[-1])
+
+
+def _check_block(fn: str, name: str, value: int):
+    if value < 16 or value & (value - 1):
+        fail(fn, f"{name}={value} must be a power of two >= 16 (a Triton dot's side)")
+
+
+def _batch_block(batch: int) -> int:
+    """Rows of one program: the batch up to 64, at least 16 (a Triton dot's side), a power of two."""
+    return max(16, min(64, 1 << max(0, (batch - 1).bit_length())))
+
+
+def mla_absorb_query_ref(q_nope, wkv_b, layer=None):
+    """Plain-XLA twin of `mla_absorb_query`."""
+    heads, nope = q_nope.shape[1:]
+    w_k = _wkv_b_layer(wkv_b, layer, heads)[:, :nope]
+    return jnp.einsum("bhd,hdc->bhc", q_nope.astype(jnp.float32), w_k).astype(q_nope.dtype)
+
+
+def mla_absorb_query(q_nope, wkv_b, layer=None, *, block_c: int = 128, num_warps: int = 4) -> jax.Array:
+    """The decode query in latent space: q_latent[b, h] = q_nope[b, h] @ W[h, :D], in q_nope's dtype
+    (float32 accumulation), where W = wkv_b viewed as (H, D + V, C): its key half absorbed into the query.
+
+    q_nope: (B, H, D), D a power of two >= 16; wkv_b: (H (D + V), C) in q_nope's dtype, or a stack of
+    layers (L, H (D + V), C) with `layer` (int32 scalar), read in place. One program per (head, C block,
+    batch block).
+    """
+    batch, heads, nope = q_nope.shape
+    rank = wkv_b.shape[-1]
+    stack, layer_index = _wkv_b_stack(_QUERY, wkv_b, layer, heads, nope, rank)
+    _check_block(_QUERY, "D", nope)
+    _check_block(_QUERY, "block_c", block_c)
+    if stack.dtype != q_nope.dtype:
+        fail(_QUERY, f"wkv_b has dtype {stack.dtype}, expected q_nope's {q_nope.dtype}")
+    interpret = use_interpret()
+    if batch == 0 or interpret_in_shard_map(interpret, q_nope, wkv_b):
+        return mla_absorb_query_ref(q_nope, wkv_b, layer)
+    block_b = _batch_block(batch)
+    vma = vma_union(q_nope, wkv_b)
+    kernel = functools.partial(_query_kernel, batch=batch, nope=nope, per_head=stack.shape[1] // heads, rank=rank,
+                               block_b=block_b, block_c=block_c)
+    return pl.pallas_call(
+        kernel,
+        out_shape=result((batch, heads, rank), q_nope.dtype, vma),
+        grid=(heads, cdiv(rank, block_c), cdiv(batch, block_b)),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=_QUERY,
+    )(*match_vma(vma, layer_index, q_nope, stack))
+
+
+def _query_kernel(layer_ref, q_ref, w_ref, o_ref, *, batch, nope, per_head, rank, block_b, block_c):
+    h, cb, bb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row_ok = bb * block_b + jnp.arange(block_b) < batch
+    col_ok = cb * block_c + jnp.arange(block_c) < rank
+    bs, cs = pl.ds(bb * block_b, block_b), pl.ds(cb * block_c, block_c)
+    q = plgpu.load(q_ref.at[bs, h, :], mask=row_ok[:, None], other=0)
+    w = plgpu.load(w_ref.at[layer_ref[0], pl.ds(h * per_head, nope), cs], mask=col_ok[None, :], other=0)
+    acc = jax.lax.dot(q, w, preferred_element_type=jnp.float32)
+    plgpu.store(o_ref.at[bs, h, cs], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=None, *, scale: float,
+                          v_dim: int):
+    """Plain-XLA twin of `mla_decode_output`."""
+    f32 = jnp.float32
+    own = (jnp.einsum("bhc,bc->bh", q_latent.astype(f32), new_kv.astype(f32))
+           + jnp.einsum("bhr,br->bh", q_pe.astype(f32), new_pe.astype(f32))) * scale
+    top = jnp.maximum(m.max(axis=1), own)
+    weight, own_weight = jnp.exp(m - top[:, None]), jnp.exp(own - top)
+    total = (l * weight).sum(axis=1) + own_weight
+    latent = ((acc * weight[..., None]).sum(axis=1) + own_weight[..., None] * new_kv.astype(f32)[:, None, :])
+    latent = (latent / total[..., None]).astype(q_latent.dtype)
+    w_v = _wkv_b_layer(wkv_b, layer, q_latent.shape[1])[:, -v_dim:]
+    return jnp.einsum("bhc,hdc->bhd", latent.astype(f32), w_v).astype(q_latent.dtype)
+
+
+def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=None, *, scale: float, v_dim: int,
+                      block_v: int = 32, num_warps: int = 4) -> jax.Array:
+    """The end of the absorbed decode attention in one launch: `mla_decode_splits`' partial softmaxes
+    (acc, m, l) merged with the new entry's (scored from q_latent, q_pe, new_kv, new_pe as `mla_decode`
+    does), the latent output rounded to q_latent's dtype and projected through wkv_b's value half:
+    out[b, h] = latent[b, h] @ W[h, D:]^T, (B, H, V) in q_latent's dtype, W = wkv_b viewed as (H, D + V, C).
+
+    wkv_b: (H (D + V), C) in q_latent's dtype, or a stack (L, H (D + V), C) with `layer`, read in place.
+    One program per (head, V block, batch block); each merges its rows' splits itself.
+    """
+    batch, splits, heads, rank = acc.shape
+    stack, layer_index = _wkv_b_stack(_OUTPUT, wkv_b, layer, heads, wkv_b.shape[-2] // heads - v_dim, rank)
+    _check_block(_OUTPUT, "block_v", block_v)
+    if stack.dtype != q_latent.dtype or q_latent.shape != (batch, heads, rank) or m.shape != (batch, splits, heads):
+        fail(_OUTPUT, f"acc {acc.shape}, m {m.shape}, q_latent {q_latent.shape} {q_latent.dtype} and wkv_b "
+                      f"{stack.dtype} do not match")
+    interpret = use_interpret()
+    if batch == 0 or interpret_in_shard_map(interpret, acc, q_latent, wkv_b):
+        return mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer, scale=scale, v_dim=v_dim)
+    block_b = _batch_block(batch)
+    vma = vma_union(acc, q_latent, wkv_b)
+    per_head = stack.shape[1] // heads
+    kernel = functools.partial(_output_kernel, batch=batch, splits=splits, value_row=per_head - v_dim,
+                               per_head=per_head, v_dim=v_dim, scale=scale, block_b=block_b, block_v=block_v,
+                               splits_padded=1 << max(0, (splits - 1).bit_length()))
+    return pl.pallas_call(
+        kernel,
+        out_shape=result((batch, heads, v_dim), q_latent.dtype, vma),
+        grid=(heads, cdiv(v_dim, block_v), cdiv(batch, block_b)),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=_OUTPUT,
+    )(*match_vma(vma, layer_index, acc, m, l, q_latent, q_pe, new_kv, new_pe, stack))
+
+
+def _output_kernel(layer_ref, acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, w_ref, o_ref, *, batch, splits,
+                   value_row, per_head, v_dim, scale, block_b, block_v, splits_padded):
+    h, vb, bb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row_ok = bb * block_b + jnp.arange(block_b) < batch
+    bs, f32 = pl.ds(bb * block_b, block_b), jnp.float32
+    new_kv = plgpu.load(kv_ref.at[bs, :], mask=row_ok[:, None], other=0).astype(f32)
+    own = (jnp.sum(plgpu.load(q_ref.at[bs, h, :], mask=row_ok[:, None], other=0).astype(f32) * new_kv, axis=1)
+           + jnp.sum(plgpu.load(qpe_ref.at[bs, h, :], mask=row_ok[:, None], other=0).astype(f32)
+                     * plgpu.load(pe_ref.at[bs, :], mask=row_ok[:, None], other=0).astype(f32), axis=1)) * scale
+    split_ok = row_ok[:, None] & (jnp.arange(splits_padded) < splits)[None, :]
+    maxima = plgpu.load(m_ref.at[bs, pl.ds(0, splits_padded), h], mask=split_ok, other=_NEG)
+    top = jnp.maximum(maxima.max(axis=1), own)
+    weights = jnp.exp(maxima - top[:, None])
+    own_weight = jnp.exp(own - top)
+    total = jnp.sum(plgpu.load(l_ref.at[bs, pl.ds(0, splits_padded), h], mask=split_ok, other=0) * weights, axis=1)
+
+    def add_split(s, latent):
+        weight = jnp.exp(plgpu.load(m_ref.at[bs, s, h], mask=row_ok, other=_NEG) - top)
+        return latent + plgpu.load(acc_ref.at[bs, s, h, :], mask=row_ok[:, None], other=0) * weight[:, None]
+
+    latent = jax.lax.fori_loop(0, splits, add_split, own_weight[:, None] * new_kv)
+    latent = (latent / (total + own_weight)[:, None]).astype(w_ref.dtype)
+    v_ok = vb * block_v + jnp.arange(block_v) < v_dim
+    w_v = plgpu.load(w_ref.at[layer_ref[0], pl.ds(h * per_head + value_row + vb * block_v, block_v), :],
+                     mask=v_ok[:, None], other=0)
+    out = jax.lax.dot_general(latent, w_v, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+    plgpu.store(o_ref.at[bs, h, pl.ds(vb * block_v, block_v)], out.astype(o_ref.dtype),
+                mask=row_ok[:, None] & v_ok[None, :])

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import pallas_kernels
 from kernel_checks import activations, fp8_weight, gemm_tolerance, rel_l2
 from pallas_kernels import act_quant, fp8_gemm, grouped_gemm, grouped_gemm_swiglu, mla_decode, route, weight_dequant
+from pallas_kernels.mla import mla_absorb_query, mla_decode_output
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -58,6 +59,19 @@ def mla_operands(rng):
             f(layers, rows, length, rope), jnp.int32(1), jnp.array([5, 40], jnp.int32), f(2, rank), f(2, rope))
 
 
+def absorb_operands(rng):
+    """q_nope (2, 8 heads, 16) and a 2-layer wkv_b stack (2, 8 * (16 + 32), 64), layer 1."""
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    return f(2, 8, 16), f(2, 8 * 48, 64), jnp.int32(1)
+
+
+def output_operands(rng):
+    """Split softmaxes of 3 splits (2 rows, 8 heads, rank 64), the new entry, a 2-layer wkv_b stack, layer 1."""
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    acc, maxima, sums = f(2, 3, 8, 64), f(2, 3, 8), jnp.abs(f(2, 3, 8)) + 1
+    return acc, maxima, sums, 0.3 * f(2, 8, 64), 0.3 * f(2, 8, 16), f(2, 64), f(2, 16), f(2, 8 * 48, 64), jnp.int32(1)
+
+
 # (twin's module, twin's name, kernel, operands(rng), relative tolerance against the kernel: 0 means bit for bit)
 CASES = {
     "act_quant": ("quantize", "act_quant_ref", act_quant, lambda rng: (activations(rng, (4, 384)),), 0),
@@ -74,6 +88,9 @@ CASES = {
                             swiglu_operands, 1e-5),
     "mla_decode": ("mla", "mla_decode_ref", functools.partial(mla_decode, scale=0.2, kv_len=64),
                    mla_operands, 1e-5),
+    "mla_absorb_query": ("mla", "mla_absorb_query_ref", mla_absorb_query, absorb_operands, 1e-5),
+    "mla_decode_output": ("mla", "mla_decode_output_ref", functools.partial(mla_decode_output, scale=0.2, v_dim=32),
+                          output_operands, 1e-5),
     "route": ("router", "route_ref",
               functools.partial(route, topk=4, n_groups=4, topk_groups=2, score_func="sigmoid", normalize=True),
               lambda rng: (jnp.asarray(rng.standard_normal((6, 32)), jnp.float32),

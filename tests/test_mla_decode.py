@@ -1,9 +1,10 @@
-"""The MLA decode kernel against float64 numpy attention (interpret mode on a CPU; compiled with -m gpu)."""
+"""The MLA decode kernels against float64 numpy attention (interpret mode on a CPU; compiled with -m gpu):
+the attention over the latent cache, and wkv_b's absorption into the query and out of the output."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.mla import mla_decode
+from pallas_kernels.mla import mla_absorb_query, mla_decode, mla_decode_output, mla_decode_splits
 
 
 def float64_attention(q, qpe, kv, pe, layer, lengths, new_kv, new_pe, scale):
@@ -44,6 +45,55 @@ def test_mla_decode_interpret(heads, lengths, splits):
     check(heads, 64, 16, lengths, kv_len=224, splits=splits)
 
 
+def absorbed_case(rng, batch, heads, nope, v_dim, rank, rope, lengths, kv_len, dtype):
+    """Operands of one layer's absorbed decode, cast to `dtype`, and a 2-layer wkv_b stack (the model's form)."""
+    cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    wkv_b = cast(rng.standard_normal((2, heads * (nope + v_dim), rank)) / np.sqrt(rank))
+    q_nope = cast(rng.standard_normal((batch, heads, nope)))
+    kv = cast(rng.standard_normal((3, batch + 1, kv_len + 16, rank)))
+    pe = cast(rng.standard_normal((3, batch + 1, kv_len + 16, rope)))
+    q_pe = cast(0.3 * rng.standard_normal((batch, heads, rope)))
+    new_kv, new_pe = cast(rng.standard_normal((batch, rank))), cast(rng.standard_normal((batch, rope)))
+    return wkv_b, q_nope, kv, pe, q_pe, new_kv, new_pe
+
+
+@pytest.mark.parametrize("batch, heads, lengths, splits", [
+    (3, 4, [0, 77, 200], 3),  # an empty row, splits past a row's end
+    (70, 2, list(range(0, 210, 3)), 1),  # two batch blocks of rows
+])
+def test_absorbed_decode_in_three_launches(batch, heads, lengths, splits, dtype=jnp.float32, tol=1e-5,
+                                           kv_len=224, nope=16, v_dim=32, rank=64, rope=16):
+    """mla_absorb_query, then mla_decode_splits and mla_decode_output: wkv_b's key half into the query,
+    the attention over the cache and the new entry, the merge and wkv_b's value half, against float64.
+    They read layer 1 of the wkv_b stack (layer 0 and the other heads' rows are O(1) off) and layer 1 of
+    the cache."""
+    rng = np.random.default_rng(batch + heads)
+    wkv_b, q_nope, kv, pe, q_pe, new_kv, new_pe = absorbed_case(rng, batch, heads, nope, v_dim, rank, rope,
+                                                                lengths, kv_len, dtype)
+    w = np.asarray(wkv_b, np.float64)[1].reshape(heads, nope + v_dim, rank)
+    q_latent = mla_absorb_query(q_nope, wkv_b, jnp.int32(1))
+    want_q = np.einsum("bhd,hdc->bhc", np.asarray(q_nope, np.float64), w[:, :nope])
+    assert np.abs(np.asarray(q_latent, np.float64) - want_q).max() <= tol * np.abs(want_q).max()
+    q_latent = 0.1 * q_latent  # scores of a moderate spread
+    lengths = jnp.array(lengths, jnp.int32)
+    splits_out = mla_decode_splits(q_latent, q_pe, kv, pe, jnp.int32(1), lengths, kv_len=kv_len, scale=0.3,
+                                   block_t=32, splits=splits)
+    got = mla_decode_output(*splits_out, q_latent, q_pe, new_kv, new_pe, wkv_b, jnp.int32(1), scale=0.3, v_dim=v_dim)
+    latent = float64_attention(*(np.asarray(a, np.float64) for a in (q_latent, q_pe, kv, pe)), 1,
+                               np.asarray(lengths), np.asarray(new_kv), np.asarray(new_pe), 0.3)
+    want = np.einsum("bhc,hdc->bhd", latent, w[:, nope:])
+    assert got.shape == (batch, heads, v_dim) and got.dtype == dtype
+    assert np.abs(np.asarray(got, np.float64) - want).max() <= tol * np.abs(want).max()
+
+
+def test_absorption_takes_one_layer_unstacked():
+    """An unstacked wkv_b (one layer, as an fp8 layer's dequantized weight) gives the stack's layer."""
+    rng = np.random.default_rng(5)
+    wkv_b, q_nope, *_ = absorbed_case(rng, 2, 4, 16, 32, 64, 16, [1, 2], 32, jnp.float32)
+    np.testing.assert_allclose(np.asarray(mla_absorb_query(q_nope, wkv_b[1])),
+                               np.asarray(mla_absorb_query(q_nope, wkv_b, jnp.int32(1))), rtol=1e-6, atol=1e-6)
+
+
 def test_argument_errors():
     q = jnp.zeros((1, 4, 32))
     with pytest.raises(ValueError, match="do not match"):
@@ -52,6 +102,28 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="exceed the cache"):
         mla_decode(q, jnp.zeros((1, 4, 8)), jnp.zeros((2, 1, 64, 32)), jnp.zeros((2, 1, 64, 8)), 0,
                    jnp.zeros(1, jnp.int32), jnp.zeros((1, 32)), jnp.zeros((1, 8)), scale=1.0, kv_len=128)
+
+
+def test_absorption_argument_errors():
+    q = jnp.zeros((1, 4, 16))
+    with pytest.raises(ValueError, match=r"mla_absorb_query: wkv_b has shape \(2, 192, 64\): a stack"):
+        mla_absorb_query(q, jnp.zeros((2, 192, 64)))
+    with pytest.raises(ValueError, match="expected H \\* \\(D \\+ V\\) rows for H=4"):
+        mla_absorb_query(q, jnp.zeros((190, 64)))
+    with pytest.raises(ValueError, match="D=12 must be a power of two"):
+        mla_absorb_query(jnp.zeros((1, 4, 12)), jnp.zeros((192, 64)))
+    with pytest.raises(ValueError, match="mla_decode_output: acc"):
+        mla_decode_output(jnp.zeros((1, 2, 4, 64)), jnp.zeros((1, 2, 4)), jnp.zeros((1, 2, 4)), jnp.zeros((1, 4, 32)),
+                          jnp.zeros((1, 4, 16)), jnp.zeros((1, 64)), jnp.zeros((1, 16)), jnp.zeros((192, 64)),
+                          scale=1.0, v_dim=32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, lengths", [(1, [1000]), (8, [0, 3, 77, 300, 511, 700, 1000, 1023])])
+def test_absorbed_decode_compiled_on_gpu(batch, lengths):
+    """V2-Lite's and V3's head shapes (D = V = 128, C = 512, rotary 64), bf16, default splits."""
+    test_absorbed_decode_in_three_launches(batch, 16, lengths, None, dtype=jnp.bfloat16, tol=2e-2, kv_len=1024,
+                                           nope=128, v_dim=128, rank=512, rope=64)
 
 
 @pytest.mark.gpu

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import flash_attention, mla_decode
+from pallas_kernels.mla import mla_absorb_query, mla_decode_output, mla_decode_splits
 
 from ..config import ModelArgs
 from ..options import StepContext
-from .layers import Linear, RMSNorm
+from .layers import Linear, RMSNorm, layer_of
 from .rope import apply_rotary
 
 
@@ -85,9 +86,11 @@ class MLA(nnx.Module):
                             **common)
         self.wo = Linear(heads * self.v_dim, args.dim, axes=("embed", "heads"), **common)
 
-    def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict | None, layer) -> tuple[jnp.ndarray, dict]:
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict | None, layer,
+                 stack_index=None) -> tuple[jnp.ndarray, dict]:
         """x (B, S, dim) -> (attention output (B, S, dim), summed over the heads' ranks; this chunk's
         cache entries). B is this device's rows (the cache's, when the layout splits the batch).
+        `stack_index`: wkv_b holds its whole layer stack (`run_stack`), of which this layer is that one.
 
         `cache` None: no cache, the chunk attends to itself (a full-sequence pass; `kv_len` unused).
         `cache` is read, not written: attention sees its window with this chunk's entries put in
@@ -96,9 +99,9 @@ class MLA(nnx.Module):
         q_nope, q_pe, latent, k_pe = self._project(x, ctx)
         flash = flash_impl(ctx.options.prefill_attn, seq, cache is not None)
         if ctx.options.attn_impl == "naive":
-            out, entries = self._naive(q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash)
+            out, entries = self._naive(q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index)
         else:
-            out, entries = self._absorb(q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash)
+            out, entries = self._absorb(q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index)
         return self.wo(out.reshape(batch, seq, -1), reduce=ctx.layout.axes("heads"), **ctx.gemm), entries
 
     def _project(self, x: jnp.ndarray, ctx: StepContext):
@@ -118,11 +121,11 @@ class MLA(nnx.Module):
         k_pe = apply_rotary(k_pe, ctx.cos, ctx.sin, self.rope_interleave)
         return q_nope, q_pe, self.kv_norm(latent), k_pe
 
-    def _naive(self, q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash):
+    def _naive(self, q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index):
         """Per-head keys and values from wkv_b, cached as such."""
         batch, seq, heads, _ = q_nope.shape
         dtype = q_nope.dtype
-        kv_full = self.wkv_b(latent, **ctx.gemm).reshape(batch, seq, heads, self.nope_dim + self.v_dim)
+        kv_full = layer_of(self.wkv_b, stack_index)(latent, **ctx.gemm).reshape(batch, seq, heads, self.nope_dim + self.v_dim)
         k_nope, v = kv_full[..., : self.nope_dim], kv_full[..., self.nope_dim:]
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (batch, seq, heads, self.rope_dim))], -1)
         keys, values = _window(cache, "k", layer, ctx, k), _window(cache, "v", layer, ctx, v)
@@ -136,12 +139,16 @@ class MLA(nnx.Module):
             out = _einsum("bsht,bthd->bshd", probs, values).astype(dtype)
         return out, dict(k=k, v=v)
 
-    def _absorb(self, q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash):
+    def _absorb(self, q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index):
         """The latent cache. Single-token and short steps fold wkv_b into the query and the output and
         attend over the latents; prefill chunks expand the window's latents into per-head keys and
         values for flash attention (fewer FLOPs per score, and no score buffer)."""
         heads, dtype = q_nope.shape[2], q_nope.dtype
-        wkv_b = self.wkv_b.dequantized(dtype).reshape(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        kernel = decode_kernel(ctx.options.decode_attn) and q_nope.shape[1] == 1 and cache is not None
+        if kernel and not ctx.kv_start and self._absorbs_in_kernels(dtype):
+            return self._decode_in_three_launches(q_nope, q_pe, latent, k_pe, ctx, cache, layer, stack_index)
+        wkv_b = layer_of(self.wkv_b, stack_index).dequantized(dtype).reshape(heads, self.nope_dim + self.v_dim,
+                                                                             self.kv_lora_rank)
         w_k, w_v = wkv_b[:, : self.nope_dim], wkv_b[:, self.nope_dim:]
         entries = dict(kv=latent, pe=k_pe)
         latents, rotary_keys = _window(cache, "kv", layer, ctx, latent), _window(cache, "pe", layer, ctx, k_pe)
@@ -154,7 +161,7 @@ class MLA(nnx.Module):
                                   scale=self.softmax_scale, kv_start=ctx.kv_start, impl=flash)
             return out, entries
         q_latent = _einsum("bshd,hdc->bshc", q_nope, w_k).astype(dtype)
-        if decode_kernel(ctx.options.decode_attn) and q_nope.shape[1] == 1 and cache is not None and not ctx.kv_start:
+        if kernel and not ctx.kv_start:
             # read in place: cache positions < p are the row's older tokens, plus its new entry
             out_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], cache["kv"], cache["pe"], layer,
                                     ctx.positions[:, 0], latent[:, 0], k_pe[:, 0], scale=self.softmax_scale,
@@ -165,6 +172,29 @@ class MLA(nnx.Module):
             probs = _softmax(scores, _visible(ctx, cache is not None)).astype(dtype)
             out_latent = _einsum("bsht,btc->bshc", probs, latents).astype(dtype)
         return _einsum("bshc,hdc->bshd", out_latent, w_v).astype(dtype), entries
+
+    def _absorbs_in_kernels(self, dtype) -> bool:
+        """Whether single-token steps run wkv_b's absorptions in Pallas kernels beside the decode
+        attention (`_decode_in_three_launches`): a key half of power-of-two width (a Triton tile) and
+        weights, once dequantized, in the step's dtype."""
+        return (self.nope_dim >= 16 and not self.nope_dim & (self.nope_dim - 1)
+                and (self.wkv_b.scale is not None or self.wkv_b.weight.dtype == dtype))
+
+    def _decode_in_three_launches(self, q_nope, q_pe, latent, k_pe, ctx, cache, layer, stack_index):
+        """Absorbed single-token attention as three kernels: the query's absorption into the latent
+        space, the attention over the cache read in place (split over its positions), then the splits'
+        merge with the new entry and the output's projection through wkv_b's value half. bf16 weights
+        are read from their layer stack in place; fp8 ones are dequantized first."""
+        if self.wkv_b.scale is None:
+            wkv_b, index = self.wkv_b.weight[...], stack_index
+        else:
+            wkv_b, index = layer_of(self.wkv_b, stack_index).dequantized(q_nope.dtype), None
+        q_latent = mla_absorb_query(q_nope[:, 0], wkv_b, index)
+        splits = mla_decode_splits(q_latent, q_pe[:, 0], cache["kv"], cache["pe"], layer, ctx.positions[:, 0],
+                                   kv_len=ctx.kv_len, scale=self.softmax_scale)
+        out = mla_decode_output(*splits, q_latent, q_pe[:, 0], latent[:, 0], k_pe[:, 0], wkv_b, index,
+                                scale=self.softmax_scale, v_dim=self.v_dim)
+        return out[:, None], dict(kv=latent, pe=k_pe)
 
 
 # Steps of fewer queries (decode, speculative verification) attend over the latents directly: the

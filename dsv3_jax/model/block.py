@@ -35,11 +35,11 @@ class Block(nnx.Module):
         """-> (block output, this layer's new cache entries), and with `loads` the routed experts'
         loads (E,) (None for a dense block). `layer` (the model's layer number) indexes the cache
         (None: no cache, the chunk attends to itself); `stack_index` (the layer's place in its
-        stack) the routed-expert weight stack, when the experts hold every layer of their stack."""
+        stack) the weight stacks that hold every layer of it (see `run_stack`)."""
         with jax.named_scope("attn_norm"):
             normed = self.attn_norm(x)
         with jax.named_scope("attention"):
-            attn_out, entries = self.attn(normed, ctx, cache, layer)
+            attn_out, entries = self.attn(normed, ctx, cache, layer, stack_index)
         h = x + attn_out
         with jax.named_scope("ffn_norm"):
             normed = self.ffn_norm(h)
@@ -54,23 +54,25 @@ class Block(nnx.Module):
         return (h + ffn_out, entries, expert_loads) if loads else (h + ffn_out, entries)
 
 
+WHOLE_STACKS = ("experts", "shared_experts", "wkv_b")
+
+
 def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None, first_layer: int, *,
               loads: bool = False, remat: bool = False):
     """Apply the stacked layers in order with `jax.lax.scan`, or one after another (`RunOptions.unroll`),
     cache rows indexed by global layer; returns the output and the stacked new cache entries
     (depth, B, S, ...), and with `loads` the stacked expert loads (depth, E) (None for dense layers).
     `remat` recomputes each layer's activations in the backward pass instead of keeping them (training)."""
-    # routed and shared experts stay whole (the grouped kernels index the layer; a slice of the stack
-    # passed to a kernel would be copied out first); everything else is scanned over
-    graphdef, routed, rest = nnx.split(stack, nnx.Any(nnx.PathContains("experts"),
-                                                      nnx.PathContains("shared_experts")), ...)
+    # the weights that Pallas kernels read stay whole, the kernels indexing the layer (a slice of the
+    # stack passed to a kernel is copied out first): routed and shared experts, wkv_b; the rest is
+    # scanned over
+    graphdef, whole, rest = nnx.split(stack, nnx.Any(*map(nnx.PathContains, WHOLE_STACKS)), ...)
     depth = jax.tree.leaves(rest)[0].shape[0]
-    has_routed = bool(jax.tree.leaves(routed))
 
     def one_layer(h, xs):
         layer_state, index = xs
-        block = nnx.merge(graphdef, routed, layer_state)
-        out = block(h, ctx, cache, first_layer + index, index if has_routed else None, loads=loads)
+        block = nnx.merge(graphdef, whole, layer_state)
+        out = block(h, ctx, cache, first_layer + index, index, loads=loads)
         return out[0], out[1:]
 
     if remat:

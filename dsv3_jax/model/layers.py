@@ -121,3 +121,14 @@ class ParallelEmbedding(nnx.Module):
         rows = jnp.take(self.weight[...], jnp.where(outside, 0, local_ids), axis=0)
         rows = jnp.where(outside[..., None], jnp.zeros((), rows.dtype), rows)
         return layout.reduce_rows(rows, gathered, summed)
+
+
+def layer_of(module: nnx.Module, stack_index) -> nnx.Module:
+    """Layer `stack_index` of a module whose parameters carry a leading layer axis (the layer scan keeps
+    some stacks whole for the kernels that index them, see `run_stack`); `module` itself when
+    `stack_index` is None."""
+    if stack_index is None:
+        return module
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, jax.tree.map(
+        lambda a: jax.lax.dynamic_index_in_dim(a, stack_index, 0, keepdims=False), state))

@@ -20,7 +20,7 @@ from pallas_kernels.router import route
 
 from ..config import ModelArgs
 from ..options import StepContext
-from .layers import Linear, init_normal, param
+from .layers import Linear, init_normal, layer_of, param
 
 
 class MLP(nnx.Module):
@@ -321,16 +321,6 @@ class Experts(nnx.Module):
                              use_kernel=True, stack_index=stacked, row_scale=row_weights.astype(jnp.float32), **down)
         routed = out[:tokens * topk].reshape(tokens, topk, -1).sum(axis=1)
         return routed + out[tokens * topk:].reshape(chunks, tokens, -1).sum(axis=0) if chunks else routed
-
-
-def layer_of(module: nnx.Module, stack_index) -> nnx.Module:
-    """Layer `stack_index` of a module whose parameters carry a leading layer axis (the layer scan keeps
-    the experts' stacks whole, see `run_stack`); `module` itself when `stack_index` is None."""
-    if stack_index is None:
-        return module
-    graphdef, state = nnx.split(module)
-    return nnx.merge(graphdef, jax.tree.map(
-        lambda a: jax.lax.dynamic_index_in_dim(a, stack_index, 0, keepdims=False), state))
 
 
 class MoE(nnx.Module):
