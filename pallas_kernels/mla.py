@@ -76,6 +76,19 @@ def mla_decode(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_p
     return out / total[..., None]
 
 
+def mla_decode_splits_ref(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, *, kv_len: int, scale: float):
+    """Plain-XLA twin of `mla_decode_splits`: the window [0, kv_len) as one split."""
+    batch, f32 = q_latent.shape[0], jnp.float32
+    kv = jax.lax.dynamic_index_in_dim(kv_cache, layer, 0, keepdims=False)[:batch, :kv_len].astype(f32)
+    pe = jax.lax.dynamic_index_in_dim(pe_cache, layer, 0, keepdims=False)[:batch, :kv_len].astype(f32)
+    valid = jnp.arange(kv_len)[None, None, :] < lengths[:, None, None]
+    scores = (jnp.einsum("bhc,btc->bht", q_latent.astype(f32), kv)
+              + jnp.einsum("bhr,btr->bht", q_pe.astype(f32), pe)) * scale
+    maxima = jnp.where(valid, scores, _NEG).max(axis=-1)
+    probs = jnp.where(valid, jnp.exp(scores - maxima[..., None]), 0.0)
+    return jnp.einsum("bht,btc->bhc", probs, kv)[:, None], maxima[:, None], probs.sum(axis=-1)[:, None]
+
+
 def mla_decode_splits(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, *, kv_len: int, scale: float,
                       block_t: int = 64, block_h: int = 16, splits: int | None = None, num_warps: int = 4,
                       num_stages: int = 2) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -83,6 +96,8 @@ def mla_decode_splits(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, *, kv_
     float32 (B, S, H, R) softmax-weighted latents, (B, S, H) running maxima and (B, S, H) sums."""
     batch, heads, rank = q_latent.shape
     interpret = use_interpret()
+    if interpret_in_shard_map(interpret, q_latent, kv_cache):
+        return mla_decode_splits_ref(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, kv_len=kv_len, scale=scale)
     splits = splits or default_splits(batch, heads, kv_len, block_t, block_h)
     chunk = cdiv(cdiv(kv_len, splits), block_t) * block_t
     lengths = jnp.minimum(lengths.astype(jnp.int32), kv_len)

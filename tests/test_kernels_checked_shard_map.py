@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import pallas_kernels
 from kernel_checks import activations, fp8_weight, gemm_tolerance, rel_l2
 from pallas_kernels import act_quant, fp8_gemm, grouped_gemm, grouped_gemm_swiglu, mla_decode, route, weight_dequant
-from pallas_kernels.mla import mla_absorb_query, mla_decode_output
+from pallas_kernels.mla import mla_absorb_query, mla_decode_output, mla_decode_splits
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -72,6 +72,13 @@ def output_operands(rng):
     return acc, maxima, sums, 0.3 * f(2, 8, 64), 0.3 * f(2, 8, 16), f(2, 64), f(2, 16), f(2, 8 * 48, 64), jnp.int32(1)
 
 
+def merged_splits(q_latent, q_pe, kv_cache, pe_cache, layer, lengths):
+    """`mla_decode_splits`' partial softmaxes merged (the twin keeps one split, the kernel several)."""
+    acc, maxima, sums = mla_decode_splits(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, kv_len=64, scale=0.2)
+    weight = jnp.exp(maxima - maxima.max(axis=1, keepdims=True))
+    return (acc * weight[..., None]).sum(axis=1) / (sums * weight).sum(axis=1)[..., None]
+
+
 # (twin's module, twin's name, kernel, operands(rng), relative tolerance against the kernel: 0 means bit for bit)
 CASES = {
     "act_quant": ("quantize", "act_quant_ref", act_quant, lambda rng: (activations(rng, (4, 384)),), 0),
@@ -88,6 +95,7 @@ CASES = {
                             swiglu_operands, 1e-5),
     "mla_decode": ("mla", "mla_decode_ref", functools.partial(mla_decode, scale=0.2, kv_len=64),
                    mla_operands, 1e-5),
+    "mla_decode_splits": ("mla", "mla_decode_splits_ref", merged_splits, lambda rng: mla_operands(rng)[:6], 1e-5),
     "mla_absorb_query": ("mla", "mla_absorb_query_ref", mla_absorb_query, absorb_operands, 1e-5),
     "mla_decode_output": ("mla", "mla_decode_output_ref", functools.partial(mla_decode_output, scale=0.2, v_dim=32),
                           output_operands, 1e-5),
