@@ -238,12 +238,10 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
         if swiglu:
             return grouped_gemm_swiglu_ref(x, *ws, sizes, *scales, out_dtype=out_dtype, row_groups=row_groups)
         return grouped_gemm_ref(x, ws[0], sizes, scales[0], out_dtype, row_scale=row_scale, row_groups=row_groups)
-    if not stacked:
-        ws, scales = tuple(a[None] for a in ws), tuple(None if s is None else s[None] for s in scales)
     shared_ws, shared_scales = ((), ()) if shared is None else (shared.weights, shared.scales)
-    if not stacked:
-        shared_ws, shared_scales = tuple(a[None] for a in shared_ws), tuple(c if c is None else c[None]
-                                                                           for c in shared_scales)
+    if not stacked:  # a one-layer stack
+        ws, shared_ws = tuple(a[None] for a in ws), tuple(a[None] for a in shared_ws)
+        scales, shared_scales = (tuple(None if c is None else c[None] for c in group) for group in (scales, shared_scales))
     if fp8:
         ws, shared_ws, x = tuple(map(byte_pairs, ws)), tuple(map(byte_pairs, shared_ws)), even_odd_columns(x)
     if form == "sizes":
