@@ -40,8 +40,9 @@ class RunOptions:
                             "slots (no sort or scatter), a gather of the experts in use, or ragged_dot "
                             "(auto: by step size on a GPU)")
     decode_attn: str = _choice("auto", ("auto", "xla", "kernel"),
-                               "absorbed attention of single-token steps: XLA einsums or the Pallas kernel "
-                               "(auto: the kernel on a GPU)")
+                               "absorbed attention of single-token steps: XLA einsums or Pallas kernels (wkv_b "
+                               "into the query, the latent cache read in place, the merge and wkv_b's value half; "
+                               "auto: the kernels on a GPU)")
     router: str = _choice("auto", ("auto", "xla", "kernel"),
                           "MoE routing after the gate GEMM (scores, group-limited top-k, weights): XLA ops or "
                           "one Pallas kernel (auto: the kernel on a GPU for decode-sized steps)")
