@@ -121,14 +121,15 @@ def load_with_mtp(directory: Path, devices: int):
 
 @pytest.fixture(scope="module")
 def hf_mtp_model(hf_mtp_dir):
-    """The HF directory's model with its MTP module on one device, loaded once for the module."""
-    return load_with_mtp(hf_mtp_dir[2], 1)
+    """devices -> the HF directory's model with its MTP module on that many devices, each loaded once
+    for the module (the HF-statement and per-rank tests share the 4-device one and its programs)."""
+    return functools.cache(functools.partial(load_with_mtp, hf_mtp_dir[2]))
 
 
 @pytest.mark.parametrize("devices", [1, 4])
 def test_mtp_logits_equal_hf_statement(hf_mtp_dir, hf_mtp_model, devices):
-    hf, extra, directory = hf_mtp_dir
-    model = hf_mtp_model if devices == 1 else load_with_mtp(directory, devices)
+    hf, extra, _ = hf_mtp_dir
+    model = hf_mtp_model(devices)
     tokens = np.random.default_rng(1).integers(0, 64, (2, 12))
     expected = hf_mtp_logits(hf, extra, tokens)
     got = our_mtp_logits(model, tokens)
@@ -251,7 +252,7 @@ def numpy_mtp_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
 def test_mtp_logits_equal_float64_numpy_statement(hf_mtp_dir, hf_mtp_model):
     tokens = np.random.default_rng(2).integers(0, 64, (2, 12))
     expected = numpy_mtp_logits(hf_mtp_dir[2], tokens)
-    got = our_mtp_logits(hf_mtp_model, tokens)
+    got = our_mtp_logits(hf_mtp_model(1), tokens)
     # measured: 9e-7 of the largest logit (float32 compute, routing as in the reference)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
@@ -361,7 +362,7 @@ def assert_same_mtp_model(expected: dict, other):
 @pytest.fixture(scope="module")
 def hf_mtp_outputs(hf_mtp_model):
     """reference_outputs of the HF directory's model on one device (made once for the module)."""
-    return reference_outputs(hf_mtp_model)
+    return reference_outputs(hf_mtp_model(1))
 
 
 def test_orbax_conversion_keeps_the_mtp_layer(hf_mtp_dir, hf_mtp_outputs, tmp_path):
@@ -373,8 +374,9 @@ def test_orbax_conversion_keeps_the_mtp_layer(hf_mtp_dir, hf_mtp_outputs, tmp_pa
     assert_same_mtp_model(hf_mtp_outputs, converted)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_outputs, bare_dir, tmp_path, ranks):
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_model, hf_mtp_outputs, bare_dir, tmp_path,
+                                                         ranks):
     from dsv3_jax.convert.convert import main as convert_main
 
     directory = hf_mtp_dir[2]
@@ -396,7 +398,7 @@ def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_outp
     if ranks == 1:
         expected = hf_mtp_outputs
     else:  # bitwise: against the HF directory's model on as many devices
-        expected = reference_outputs(load_with_mtp(directory, ranks))
+        expected = reference_outputs(hf_mtp_model(ranks))
     assert_same_mtp_model(expected, converted)
 
 
