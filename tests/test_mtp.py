@@ -258,6 +258,15 @@ def test_mtp_logits_equal_float64_numpy_statement(hf_mtp_dir, hf_mtp_model):
 
 
 # ------------------------------------------------------------------ greedy identity
+def same_weights(model, num_devices: int = 1, **sizes):
+    """A model of `model`'s weights on `num_devices` devices, with other sizes (max_batch_size,
+    max_seq_len) where given: what `build` makes there too (its random init gives the same weights on
+    any mesh and for any sizes), without compiling that init again. Placed from the host: no slicing
+    program per array shape."""
+    return dsv3_jax.Model(model.args.replace(**sizes), model.graphdef, jax.device_get(model.state),
+                          make_mesh(num_devices), model.options)
+
+
 @pytest.fixture(scope="module")
 def spec_model_1dev():
     return build_tiny_mtp(max_batch_size=5, max_seq_len=150)
@@ -268,14 +277,8 @@ def spec_model(request, spec_model_1dev):
     """The random MTP model of the greedy and chunked-prefill tests, which share its compiled steps.
     5 cache rows for batches of 4: every call also runs the rows-below-max_batch_size path; max_seq_len
     150 is not a power of two: prompt buckets are capped at it, and chunks of 64 end with one that
-    redoes part of the one before. On 4 devices, the one-device model's weights placed on a 4-device
-    mesh: what `build` makes there too (its random init gives the same weights on any mesh), without
-    compiling that init a second time."""
-    if request.param == 1:
-        return spec_model_1dev
-    one = spec_model_1dev
-    weights = jax.device_get(one.state)  # placed from the host: no slicing program per array shape
-    return dsv3_jax.Model(one.args, one.graphdef, weights, make_mesh(request.param), one.options)
+    redoes part of the one before. On 4 devices, the one-device model's weights (`same_weights`)."""
+    return spec_model_1dev if request.param == 1 else same_weights(spec_model_1dev, request.param)
 
 
 def test_greedy_output_is_identical_with_mtp(spec_model):
@@ -306,8 +309,9 @@ def test_greedy_output_is_identical_with_mtp(spec_model):
 
 # ------------------------------------------------------------------ sampling keeps the main model's distribution
 @pytest.fixture(scope="module")
-def sampling_model():
-    return build_tiny_mtp(SAMPLING_ROWS, SAMPLING_SEQ)
+def sampling_model(spec_model_1dev):
+    """`build_tiny_mtp(SAMPLING_ROWS, SAMPLING_SEQ)`, from the spec model's weights (`same_weights`)."""
+    return same_weights(spec_model_1dev, max_batch_size=SAMPLING_ROWS, max_seq_len=SAMPLING_SEQ)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 0.8)], ids=["unfiltered", "top_k_top_p"])
