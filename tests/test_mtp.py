@@ -1,6 +1,7 @@
 """Multi-token prediction: the MTP module against Hugging Face's block (float32 torch) and against an
 independent float64 numpy statement of the MTP module's math (DeepSeek-V3 technical report §2.2) (both loaded from an HF directory), greedy speculative decoding identical to plain decoding (1 and 4 devices, unequal
 prompts, budgets cut by max_seq_len), and the sampled distribution equal to the main model's."""
+import functools
 import json
 import warnings
 from pathlib import Path
@@ -17,11 +18,11 @@ from safetensors.numpy import save_file
 import dsv3_jax
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.decode.generate import prefill_chunks
+from dsv3_jax.decode.step import StepParts
 from dsv3_jax.errors import CheckpointError
-from dsv3_jax.model.cache import cache_specs
 from dsv3_jax.model.rope import inverse_frequencies, rotary_angles
 from dsv3_jax.options import StepContext
-from dsv3_jax.sharding import partition_specs
+from dsv3_jax.sharding import make_mesh
 from hf_models import V3_TINY, hf_model, save
 from mtp_models import SAMPLING_ROWS, SAMPLING_SEQ, VOCAB, build_tiny_mtp, three_token_distribution
 
@@ -50,6 +51,12 @@ def hf_mtp_dir(tmp_path_factory):
         meta["weight_map"].update({k: "mtp.safetensors" for k in extra})
         index.write_text(json.dumps(meta))
     return hf, extra, directory
+
+
+@pytest.fixture(scope="module")
+def bare_dir(tmp_path_factory):
+    """The same HF V3 directory without an MTP layer (its 4 layers)."""
+    return save(hf_model("v3", seed=5, vocab_size=64), tmp_path_factory.mktemp("bare"))
 
 
 def rms(x, w, eps=1e-6):
@@ -81,24 +88,30 @@ def hf_mtp_logits(hf, extra, tokens: np.ndarray) -> np.ndarray:
 def our_mtp_logits(model, tokens: np.ndarray) -> np.ndarray:
     """The MTP module's logits through the cached inference path (prefill of the main model, then
     the module over positions 1..S-1)."""
-    args, options = model.args, model.options
+    return np.asarray(mtp_logits_function(model.parts)(model.state, model.cache, jnp.asarray(tokens, jnp.int32)))
+
+
+@functools.lru_cache(maxsize=8)
+def mtp_logits_function(parts: StepParts):
+    """`our_mtp_logits`' jitted (state, cache, tokens) -> logits for a model's parts, memoized on them as
+    the library's step builders are: a model loaded again alike (a converted checkpoint) reuses its
+    trace and compiled program."""
+    args, options, layout = parts.args, parts.options, parts.layout
     inv_freq = inverse_frequencies(args)
 
     def ctx(positions, start=0):
         cos, sin = rotary_angles(positions, inv_freq, args.rope_attention_factor)
-        return StepContext(positions, cos, sin, args.max_seq_len, options, args.scale_fmt, start, model.layout)
+        return StepContext(positions, cos, sin, args.max_seq_len, options, args.scale_fmt, start, layout)
 
     def local(state, cache, tokens):
-        m = nnx.merge(model.graphdef, state)
+        m = nnx.merge(parts.graphdef, state)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
         hidden, cache = m.hidden(tokens, ctx(positions), cache)
         y, _ = m.mtp_hidden(tokens[:, 1:], hidden[:, :-1], ctx(positions[:, 1:], 1), cache)
-        return m.logits(y, model.layout)
+        return m.logits(y, layout)
 
-    run = jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(partition_specs(model.state, model.layout),
-                                                                   cache_specs(options.attn_impl, model.layout), P()),
-                                out_specs=P(), check_vma=False))
-    return np.asarray(run(model.state, model.cache, jnp.asarray(tokens, jnp.int32)))
+    return jax.jit(jax.shard_map(local, mesh=parts.mesh, in_specs=(parts.state_specs, parts.cache_specs, P()),
+                                 out_specs=P(), check_vma=False))
 
 
 def load_with_mtp(directory: Path, devices: int):
@@ -108,29 +121,29 @@ def load_with_mtp(directory: Path, devices: int):
 
 @pytest.fixture(scope="module")
 def hf_mtp_model(hf_mtp_dir):
-    """The HF directory's model with its MTP module on one device, loaded once for the module."""
-    return load_with_mtp(hf_mtp_dir[2], 1)
+    """devices -> the HF directory's model with its MTP module on that many devices, each loaded once
+    for the module (the HF-statement and per-rank tests share the 4-device one and its programs)."""
+    return functools.cache(functools.partial(load_with_mtp, hf_mtp_dir[2]))
 
 
 @pytest.mark.parametrize("devices", [1, 4])
 def test_mtp_logits_equal_hf_statement(hf_mtp_dir, hf_mtp_model, devices):
-    hf, extra, directory = hf_mtp_dir
-    model = hf_mtp_model if devices == 1 else load_with_mtp(directory, devices)
+    hf, extra, _ = hf_mtp_dir
+    model = hf_mtp_model(devices)
     tokens = np.random.default_rng(1).integers(0, 64, (2, 12))
     expected = hf_mtp_logits(hf, extra, tokens)
     got = our_mtp_logits(model, tokens)
     np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-4 * np.abs(expected).max())
 
 
-def test_without_mtp_nothing_is_read_and_a_missing_layer_is_one_line(hf_mtp_dir, tmp_path):
+def test_without_mtp_nothing_is_read_and_a_missing_layer_is_one_line(hf_mtp_dir, bare_dir):
     hf, _, directory = hf_mtp_dir
     plain = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=1, max_seq_len=64)
     assert not plain.has_mtp and "mtp" not in plain.state
     with pytest.raises(ValueError, match="mtp=True"):
         plain.generate([[1, 2]], 3, eos_id=-1, mtp=True)
-    bare = save(hf_model("v3", seed=5, vocab_size=64), tmp_path / "bare")
     with pytest.raises(CheckpointError, match="no MTP layer"):
-        dsv3_jax.load(bare, compute_dtype="float32", max_batch_size=1, max_seq_len=64, mtp=True)
+        dsv3_jax.load(bare_dir, compute_dtype="float32", max_batch_size=1, max_seq_len=64, mtp=True)
 
 
 # ------------------------------------------------------------------ the module against a float64 numpy statement
@@ -239,19 +252,33 @@ def numpy_mtp_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
 def test_mtp_logits_equal_float64_numpy_statement(hf_mtp_dir, hf_mtp_model):
     tokens = np.random.default_rng(2).integers(0, 64, (2, 12))
     expected = numpy_mtp_logits(hf_mtp_dir[2], tokens)
-    got = our_mtp_logits(hf_mtp_model, tokens)
+    got = our_mtp_logits(hf_mtp_model(1), tokens)
     # measured: 9e-7 of the largest logit (float32 compute, routing as in the reference)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
 # ------------------------------------------------------------------ greedy identity
+def same_weights(model, num_devices: int = 1, **sizes):
+    """A model of `model`'s weights on `num_devices` devices, with other sizes (max_batch_size,
+    max_seq_len) where given: what `build` makes there too (its random init gives the same weights on
+    any mesh and for any sizes), without compiling that init again. Placed from the host: no slicing
+    program per array shape."""
+    return dsv3_jax.Model(model.args.replace(**sizes), model.graphdef, jax.device_get(model.state),
+                          make_mesh(num_devices), model.options)
+
+
+@pytest.fixture(scope="module")
+def spec_model_1dev():
+    return build_tiny_mtp(max_batch_size=5, max_seq_len=150)
+
+
 @pytest.fixture(scope="module", params=[1, 4], ids=["1dev", "4dev"])
-def spec_model(request):
+def spec_model(request, spec_model_1dev):
     """The random MTP model of the greedy and chunked-prefill tests, which share its compiled steps.
     5 cache rows for batches of 4: every call also runs the rows-below-max_batch_size path; max_seq_len
     150 is not a power of two: prompt buckets are capped at it, and chunks of 64 end with one that
-    redoes part of the one before."""
-    return build_tiny_mtp(max_batch_size=5, max_seq_len=150, num_devices=request.param)
+    redoes part of the one before. On 4 devices, the one-device model's weights (`same_weights`)."""
+    return spec_model_1dev if request.param == 1 else same_weights(spec_model_1dev, request.param)
 
 
 def test_greedy_output_is_identical_with_mtp(spec_model):
@@ -282,8 +309,9 @@ def test_greedy_output_is_identical_with_mtp(spec_model):
 
 # ------------------------------------------------------------------ sampling keeps the main model's distribution
 @pytest.fixture(scope="module")
-def sampling_model():
-    return build_tiny_mtp(SAMPLING_ROWS, SAMPLING_SEQ)
+def sampling_model(spec_model_1dev):
+    """`build_tiny_mtp(SAMPLING_ROWS, SAMPLING_SEQ)`, from the spec model's weights (`same_weights`)."""
+    return same_weights(spec_model_1dev, max_batch_size=SAMPLING_ROWS, max_seq_len=SAMPLING_SEQ)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 0.8)], ids=["unfiltered", "top_k_top_p"])
@@ -338,7 +366,7 @@ def assert_same_mtp_model(expected: dict, other):
 @pytest.fixture(scope="module")
 def hf_mtp_outputs(hf_mtp_model):
     """reference_outputs of the HF directory's model on one device (made once for the module)."""
-    return reference_outputs(hf_mtp_model)
+    return reference_outputs(hf_mtp_model(1))
 
 
 def test_orbax_conversion_keeps_the_mtp_layer(hf_mtp_dir, hf_mtp_outputs, tmp_path):
@@ -350,8 +378,9 @@ def test_orbax_conversion_keeps_the_mtp_layer(hf_mtp_dir, hf_mtp_outputs, tmp_pa
     assert_same_mtp_model(hf_mtp_outputs, converted)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_outputs, tmp_path, ranks):
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_model, hf_mtp_outputs, bare_dir, tmp_path,
+                                                         ranks):
     from dsv3_jax.convert.convert import main as convert_main
 
     directory = hf_mtp_dir[2]
@@ -367,14 +396,13 @@ def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_outp
     if ranks == 1:
         from dsv3_jax.convert.common import ToolError
 
-        bare = save(hf_model("v3", seed=5, vocab_size=64), tmp_path / "bare")
         with pytest.raises(ToolError, match="holds no MTP layer"):
-            convert_main(["--hf-ckpt-path", str(bare), "--save-path", str(tmp_path / "x"), "--n-experts", "8",
+            convert_main(["--hf-ckpt-path", str(bare_dir), "--save-path", str(tmp_path / "x"), "--n-experts", "8",
                           "--model-parallel", "1", "--keep-mtp"])
     if ranks == 1:
         expected = hf_mtp_outputs
     else:  # bitwise: against the HF directory's model on as many devices
-        expected = reference_outputs(load_with_mtp(directory, ranks))
+        expected = reference_outputs(hf_mtp_model(ranks))
     assert_same_mtp_model(expected, converted)
 
 
