@@ -150,7 +150,8 @@ def dequantized(model: dsv3_jax.Model, bf16: dsv3_jax.Model) -> dsv3_jax.Model:
         if flat[name].dtype != FP8_DTYPE:
             return flat[name]
         scale = flat[name.replace("['weight']", "['scale']")]
-        full = np.repeat(np.repeat(scale, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)[..., :like.shape[-2], :like.shape[-1]]
+        full = np.repeat(np.repeat(scale, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)
+        full = full[..., :like.shape[-2], :like.shape[-1]]
         return flat[name].astype(np.float32) * full
 
     state = jax.tree_util.tree_map_with_path(weight, bf16.state)
