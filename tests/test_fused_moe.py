@@ -13,6 +13,7 @@ import pytest
 import dsv3_jax
 from dsv3_jax.sharding import make_mesh
 from kernel_checks import kernel_twins
+from pallas_kernels import FP8_BLOCK, FP8_DTYPE
 from zero_models import model_shapes
 
 # Every model here runs the dense layers' fp8 kernels (Linear: act_quant, fp8_gemm, weight_dequant)
@@ -40,11 +41,22 @@ def step_inputs(vocab_size: int, steps: int):
     return tokens, next_tokens, np.array([0, 3], np.int32)
 
 
+# XLA's CPU backend optimisations, which conftest turns off for the session (they cost compile time)
+OPTIMIZED = {"xla_backend_optimization_level": 1}
+
+
 def prefill_and_decode(model, steps: int = 1) -> list[np.ndarray]:
     """Logits of a prefill (rows at different starts) and of `steps` decode steps. One decode step
-    suffices: another would run the same compiled step, and the experts keep no state across steps."""
+    suffices: another would run the same compiled step, and the experts keep no state across steps.
+    A "slots" prefill runs the same program compiled with the backend optimisations on: in interpret
+    mode its kernels loop over a grid step per (slot, column tile), which unoptimised code runs far
+    slower than the optimisations take to compile."""
     tokens, next_tokens, start = step_inputs(model.args.vocab_size, steps)
-    logits, model.cache = model.step(model.state, model.cache, tokens, start, np.full((2,), 8, np.int32), kv_len=32)
+    prefill = (model.state, model.cache, tokens, start, np.full((2,), 8, np.int32))
+    if model.options.moe_impl == "slots":
+        logits, model.cache = model.step.lower(*prefill, kv_len=32).compile(compiler_options=OPTIMIZED)(*prefill)
+    else:
+        logits, model.cache = model.step(*prefill, kv_len=32)
     out, position = [np.asarray(logits)], start + 9
     for token in next_tokens:
         logits, model.cache = model.step(model.state, model.cache, token, position, np.zeros(2, np.int32), kv_len=32)
@@ -70,27 +82,80 @@ def one_pass_logits(model, steps: int = 1) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def ragged():
-    """ragged(num_devices, weights, gemm_impl, compute_dtype) -> (model, its logits): the reference,
-    built and run once per configuration (`one_pass_logits`) and shared by every implementation
-    compared with it.
-    Its weights are those `dsv3_jax.build(tiny(weights), seed=0, ...)` makes under that
-    configuration: one random build per weight format (1 device, float32) placed on the mesh and
+    """ragged(num_devices, weights, gemm_impl, compute_dtype) -> (model, reference logits): the model of
+    that configuration (moe_impl "ragged") and the logits "ragged" gives with its weights, made and run
+    once per configuration (`one_pass_logits`) and shared by every implementation compared with it.
+    Its weights are those of one random model per weight format (1 device, float32: for bf16,
+    `dsv3_jax.build(tiny("bf16"), seed=0, ...)`; for fp8, its `fp8_twin`) placed on the mesh and
     held in the configuration's dtypes (a build on another mesh, or in bfloat16, makes the same
-    numbers, there or rounded to bfloat16; its random init is a program per mesh and dtype)."""
+    numbers, there or rounded to bfloat16; its random init is a program per mesh and dtype). With
+    fp8 weights and gemm_impl "bf16" the logits are those of the bf16-format model of the weights it
+    computes with (`dequantized`): the same numbers, from the bf16 configuration's compiled step."""
     built, random = {}, {}
 
     def get(num_devices: int, weights: str, gemm_impl: str, compute_dtype: str):
         key = (num_devices, weights, gemm_impl, compute_dtype)
         if key not in built:
             with kernel_twins(*DENSE_KERNELS):
+                if "bf16" not in random:
+                    random["bf16"] = dsv3_jax.build(tiny("bf16"), seed=0, compute_dtype="float32", moe_impl="ragged")
                 if weights not in random:
-                    random[weights] = dsv3_jax.build(tiny(weights), seed=0, compute_dtype="float32", moe_impl="ragged")
-                model = same_weights(random[weights], make_mesh(num_devices), gemm_impl=gemm_impl,
-                                     compute_dtype=compute_dtype)
-                built[key] = model, one_pass_logits(model)
+                    random[weights] = fp8_twin(random["bf16"])
+                choices = dict(gemm_impl=gemm_impl, compute_dtype=compute_dtype)
+                model = same_weights(random[weights], make_mesh(num_devices), **choices)
+                oracle = model
+                if weights == "fp8" and gemm_impl == "bf16":
+                    # a step of gemm_impl "bf16" computes with the fp8 weights times their scales (rounded to
+                    # the compute dtype): the bf16-format model of those weights, the bf16 configuration's step
+                    oracle = same_weights(dequantized(random["fp8"], random["bf16"]), model.mesh, **choices)
+                built[key] = model, one_pass_logits(oracle)
         return built[key]
 
     return get
+
+
+def fp8_twin(model: dsv3_jax.Model) -> dsv3_jax.Model:
+    """The `tiny("fp8")` model with `model`'s (a `tiny("bf16")` build's) embedding, norms, gates and head,
+    and fp8 projections and experts drawn as `dsv3_jax.build` draws them: random e4m3 bytes with the top
+    exponent bit cleared (magnitude < 2, no NaN), every 128x128 block scaled by 1/sqrt(in_features).
+    Made in numpy: no random-init program of its own to compile."""
+    args = tiny("fp8").replace(gate_bias=model.args.gate_bias)
+    graphdef, shapes = model_shapes(args, model.options.jnp_dtype)
+    high = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(model.state)[0]}
+    flat, tree = jax.tree_util.tree_flatten_with_path(shapes)
+    in_features = {jax.tree_util.keystr(path).replace("['weight']", "['scale']"): shape.shape[-1]
+                   for path, shape in flat if shape.dtype == FP8_DTYPE}
+    rng = np.random.default_rng(0)
+
+    def leaf(path, shape):
+        name = jax.tree_util.keystr(path)
+        if shape.dtype == FP8_DTYPE:
+            return (rng.integers(0, 256, shape.shape, np.uint8) & np.uint8(0b10111111)).view(FP8_DTYPE)
+        if name in in_features:
+            return np.full(shape.shape, 1 / np.sqrt(in_features[name]), np.float32)
+        return np.asarray(high[name])
+
+    state = jax.tree_util.tree_unflatten(tree, [leaf(path, shape) for path, shape in flat])
+    return dsv3_jax.Model(args, graphdef, state, model.mesh, model.options)
+
+
+def dequantized(model: dsv3_jax.Model, bf16: dsv3_jax.Model) -> dsv3_jax.Model:
+    """A model of `bf16`'s (bf16-format) structure and options holding `model`'s fp8 weights times their
+    block scales in float32 (as `weight_dequant_ref` computes them), and its other weights as they are."""
+    flat = {jax.tree_util.keystr(path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(model.state)[0]}
+
+    def weight(path, like):
+        name = jax.tree_util.keystr(path)
+        if flat[name].dtype != FP8_DTYPE:
+            return flat[name]
+        scale = flat[name.replace("['weight']", "['scale']")]
+        full = np.repeat(np.repeat(scale, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)
+        full = full[..., :like.shape[-2], :like.shape[-1]]
+        return flat[name].astype(np.float32) * full
+
+    state = jax.tree_util.tree_map_with_path(weight, bf16.state)
+    return dsv3_jax.Model(bf16.args, bf16.graphdef, state, bf16.mesh, bf16.options)
 
 
 def same_weights(model, mesh=None, **choices):
