@@ -181,11 +181,9 @@ class _Shared(NamedTuple):
                          f"{BLOCK} when chunked by output")
         return shape[wide] // step
 
-    def as_groups(self, count: int, n: int, k: int, layer=None) -> tuple[tuple, tuple]:
-        """The chunks (of stack layer `layer`, if given) as a (S, N, K) group stack per weight (and
-        (S, ., .) scales): the twin's view."""
-        pick = (lambda a: a) if layer is None else (  # noqa: E731
-            lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
+    def as_groups(self, count: int, n: int, k: int, pick) -> tuple[tuple, tuple]:
+        """The chunks of the weights' layer `pick` takes (from a stack, or the one layer) as a (S, N, K)
+        group stack per weight (and (S, ., .) scales): the twin's view."""
         weights, scales = tuple(map(pick, self.weights)), tuple(map(pick, self.scales))
         if self.axis == "n":
             weights = tuple(w.reshape(count, n, k) for w in weights)
@@ -228,11 +226,11 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     n_shared = 0 if shared is None else shared.count(fn, n, k, fp8, x.dtype, stacked)
     interpret = use_interpret()
     if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, *ws, group_data):
-        if stacked:
-            pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
-            ws, scales = tuple(map(pick, ws)), tuple(map(pick, scales))
+        pick = (lambda a: a) if not stacked else (  # noqa: E731
+            lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
+        ws, scales = tuple(map(pick, ws)), tuple(map(pick, scales))
         if n_shared:
-            extra_ws, extra_scales = shared.as_groups(n_shared, n, k, layer if stacked else None)
+            extra_ws, extra_scales = shared.as_groups(n_shared, n, k, pick)
             ws = tuple(jnp.concatenate([a, b]) for a, b in zip(ws, extra_ws))
             scales = tuple(None if a is None else jnp.concatenate([a, b]) for a, b in zip(scales, extra_scales))
         if swiglu:
@@ -241,7 +239,8 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     shared_ws, shared_scales = ((), ()) if shared is None else (shared.weights, shared.scales)
     if not stacked:  # a one-layer stack
         ws, shared_ws = tuple(a[None] for a in ws), tuple(a[None] for a in shared_ws)
-        scales, shared_scales = (tuple(None if c is None else c[None] for c in group) for group in (scales, shared_scales))
+        scales, shared_scales = (tuple(None if c is None else c[None] for c in group)
+                                 for group in (scales, shared_scales))
     if fp8:
         ws, shared_ws, x = tuple(map(byte_pairs, ws)), tuple(map(byte_pairs, shared_ws)), even_odd_columns(x)
     if form == "sizes":

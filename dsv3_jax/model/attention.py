@@ -125,7 +125,8 @@ class MLA(nnx.Module):
         """Per-head keys and values from wkv_b, cached as such."""
         batch, seq, heads, _ = q_nope.shape
         dtype = q_nope.dtype
-        kv_full = layer_of(self.wkv_b, stack_index)(latent, **ctx.gemm).reshape(batch, seq, heads, self.nope_dim + self.v_dim)
+        kv_full = layer_of(self.wkv_b, stack_index)(latent, **ctx.gemm)
+        kv_full = kv_full.reshape(batch, seq, heads, self.nope_dim + self.v_dim)
         k_nope, v = kv_full[..., : self.nope_dim], kv_full[..., self.nope_dim:]
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (batch, seq, heads, self.rope_dim))], -1)
         keys, values = _window(cache, "k", layer, ctx, k), _window(cache, "v", layer, ctx, v)

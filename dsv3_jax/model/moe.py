@@ -302,7 +302,8 @@ class Experts(nnx.Module):
         scale = lambda linear: None if linear.scale is None else linear.scale[...]  # noqa: E731
         # one row per slot, token-major: each is a tile of its own (padding the slots to a whole tile of
         # rows would launch a tile per padded row too; benchmarks/NOTES.md)
-        rows, row_groups, row_weights = jnp.repeat(x, topk, axis=0), slot_experts, weights.reshape(-1)
+        rows, row_groups = jnp.repeat(x, topk, axis=0), slot_experts
+        row_weights = weights.reshape(-1).astype(jnp.float32)
         fused, down, chunks = {}, {}, 0
         if shared is not None:
             # then each shared chunk's rows, chunk-major: the kernels read a chunk in tiles of several
@@ -311,14 +312,14 @@ class Experts(nnx.Module):
             ids = self.w1.weight.shape[-3] + jnp.arange(chunks, dtype=slot_experts.dtype)
             rows = jnp.concatenate([rows, jnp.tile(x, (chunks, 1))])
             row_groups = jnp.concatenate([row_groups, jnp.repeat(ids, tokens)])
-            row_weights = jnp.concatenate([row_weights.astype(jnp.float32), jnp.ones((chunks * tokens,), jnp.float32)])
+            row_weights = jnp.concatenate([row_weights, jnp.ones((chunks * tokens,), jnp.float32)])
             fused = dict(shared_w1=shared.w1.weight[...], shared_w3=shared.w3.weight[...],
                          shared_w1_scale=scale(shared.w1), shared_w3_scale=scale(shared.w3))
             down = dict(shared_w=shared.w2.weight[...], shared_w_scale=scale(shared.w2))
         hidden = grouped_swiglu(rows, self.w1.weight[...], self.w3.weight[...], scale(self.w1), scale(self.w3),
                                 None, row_groups=row_groups, **ctx.gemm, stack_index=stacked, **fused)
         out = grouped_matmul(hidden, self.w2.weight[...], scale(self.w2), None, row_groups=row_groups, **ctx.gemm,
-                             use_kernel=True, stack_index=stacked, row_scale=row_weights.astype(jnp.float32), **down)
+                             use_kernel=True, stack_index=stacked, row_scale=row_weights, **down)
         routed = out[:tokens * topk].reshape(tokens, topk, -1).sum(axis=1)
         return routed + out[tokens * topk:].reshape(chunks, tokens, -1).sum(axis=0) if chunks else routed
 
