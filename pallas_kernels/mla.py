@@ -222,17 +222,23 @@ def mla_absorb_query(q_nope, wkv_b, layer=None, *, block_c: int = 128, num_warps
     if batch == 0 or interpret_in_shard_map(interpret, q_nope, wkv_b):
         return mla_absorb_query_ref(q_nope, wkv_b, layer)
     block_b = _batch_block(batch)
-    vma = vma_union(q_nope, wkv_b)
     kernel = functools.partial(_query_kernel, batch=batch, nope=nope, per_head=stack.shape[1] // heads, rank=rank,
                                block_b=block_b, block_c=block_c)
+    return _per_head_launch(_QUERY, kernel, (batch, heads, rank), q_nope.dtype,
+                            (cdiv(rank, block_c), cdiv(batch, block_b)), num_warps, interpret, layer_index, q_nope, stack)
+
+
+def _per_head_launch(name: str, kernel, shape, dtype, blocks: tuple, num_warps: int, interpret: bool, *operands):
+    """One pallas_call over a (head, *blocks) grid of `kernel` on `operands`, its output `shape` in `dtype`."""
+    vma = vma_union(*operands)
     return pl.pallas_call(
         kernel,
-        out_shape=result((batch, heads, rank), q_nope.dtype, vma),
-        grid=(heads, cdiv(rank, block_c), cdiv(batch, block_b)),
+        out_shape=result(shape, dtype, vma),
+        grid=(shape[1], *blocks),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name=_QUERY,
-    )(*match_vma(vma, layer_index, q_nope, stack))
+        name=name,
+    )(*match_vma(vma, *operands))
 
 
 def _query_kernel(layer_ref, q_ref, w_ref, o_ref, *, batch, nope, per_head, rank, block_b, block_c):
@@ -281,19 +287,13 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
     if batch == 0 or interpret_in_shard_map(interpret, acc, q_latent, wkv_b):
         return mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer, scale=scale, v_dim=v_dim)
     block_b = _batch_block(batch)
-    vma = vma_union(acc, q_latent, wkv_b)
     per_head = stack.shape[1] // heads
     kernel = functools.partial(_output_kernel, batch=batch, splits=splits, value_row=per_head - v_dim,
                                per_head=per_head, v_dim=v_dim, scale=scale, block_b=block_b, block_v=block_v,
                                splits_padded=1 << max(0, (splits - 1).bit_length()))
-    return pl.pallas_call(
-        kernel,
-        out_shape=result((batch, heads, v_dim), q_latent.dtype, vma),
-        grid=(heads, cdiv(v_dim, block_v), cdiv(batch, block_b)),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name=_OUTPUT,
-    )(*match_vma(vma, layer_index, acc, m, l, q_latent, q_pe, new_kv, new_pe, stack))
+    return _per_head_launch(_OUTPUT, kernel, (batch, heads, v_dim), q_latent.dtype,
+                            (cdiv(v_dim, block_v), cdiv(batch, block_b)), num_warps, interpret,
+                            layer_index, acc, m, l, q_latent, q_pe, new_kv, new_pe, stack)
 
 
 def _output_kernel(layer_ref, acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, w_ref, o_ref, *, batch, splits,
