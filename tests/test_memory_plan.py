@@ -1,6 +1,10 @@
 """The memory plan (`dsv3_jax.memory`): its weight and cache bytes are those of the arrays a real model
 allocates on each device (read from the arrays' own shards), and `load`, `build` and `dsv3-chat`
-refuse what does not fit a stated capacity in one line that names what does."""
+refuse what does not fit a stated capacity in one line that names what does.
+
+The counted models hold zeros (`zero_models.zero_model`: `build`'s arguments, shapes, dtypes and
+splits, no random-initialising program to compile per config and mesh): bytes depend on the arrays'
+shapes, dtypes and placement, not on their values."""
 import os
 import re
 import subprocess
@@ -17,6 +21,8 @@ from dsv3_jax.errors import MemoryPlanError
 from dsv3_jax.memory import (DEVICE_BYTES_ENV, cache_bytes, check_fits, device_capacity, fitting, peak_bytes, plan,
                              weight_bytes)
 from dsv3_jax.options import RunOptions
+from dsv3_jax.sharding import make_mesh
+from zero_models import zero_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = Path(dsv3_jax.__file__).parent / "assets" / "tiny"
@@ -45,7 +51,8 @@ def bytes_per_device(tree) -> dict:
 def test_plan_counts_the_arrays_a_model_allocates(devices, layout, attn_impl, mtp, compute_dtype, dtype, batch):
     args = TINY_ARGS.replace(max_batch_size=batch, max_seq_len=96, dtype=dtype)
     options = RunOptions(attn_impl=attn_impl, layout=layout, compute_dtype=compute_dtype)
-    model = dsv3_jax.build(args, options=options, num_devices=devices, mtp=mtp)
+    model = zero_model(args, num_devices=devices, mtp=mtp, attn_impl=attn_impl, layout=layout,
+                       compute_dtype=compute_dtype)
     state, cache = bytes_per_device(model.state), bytes_per_device(model.cache)
     assert len(state) == len(cache) == devices
     weights = weight_bytes(model.args, model.layout, options, mtp)
@@ -60,7 +67,7 @@ def test_plan_counts_the_arrays_a_model_allocates(devices, layout, attn_impl, mt
 
 
 def test_flash_plan_has_no_score_buffer_and_dense_has_one():
-    layout = dsv3_jax.build(TINY_ARGS.replace(max_batch_size=1, max_seq_len=64)).layout
+    layout = dsv3_jax.api.model_layout(TINY_ARGS, RunOptions(), make_mesh(1))
     flash = plan(TINY_ARGS, layout, RunOptions(prefill_chunk=64), 2, 4096)
     dense = plan(TINY_ARGS, layout, RunOptions(prefill_chunk=64, prefill_attn="dense"), 2, 4096)
     assert not any("scores" in item for item in flash)
@@ -70,7 +77,7 @@ def test_flash_plan_has_no_score_buffer_and_dense_has_one():
 
 def capacity_for(args, options, devices, batch, seq_len, mtp=False):
     """A capacity that holds (batch, seq_len) and nothing larger."""
-    model_layout = dsv3_jax.api.model_layout(args, options, dsv3_jax.sharding.make_mesh(devices))
+    model_layout = dsv3_jax.api.model_layout(args, options, make_mesh(devices))
     weights = sum(weight_bytes(args, model_layout, options, mtp).values())
     return int(peak_bytes(weights, args, model_layout, options, batch, seq_len, mtp)), model_layout
 
@@ -121,7 +128,7 @@ def test_load_refuses_before_reading_a_weight(monkeypatch):
 
 
 def test_weights_that_cannot_fit_and_bad_capacities_are_named(monkeypatch):
-    layout = dsv3_jax.build(TINY_ARGS.replace(max_batch_size=1, max_seq_len=64)).layout
+    layout = dsv3_jax.api.model_layout(TINY_ARGS, RunOptions(), make_mesh(1))
     weights = sum(weight_bytes(TINY_ARGS, layout, RunOptions()).values())
     with pytest.raises(MemoryPlanError, match="the weights alone need"):
         check_fits(TINY_ARGS, layout, RunOptions(), device_bytes=int(weights) - 1)

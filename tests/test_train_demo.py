@@ -142,15 +142,18 @@ def test_position_buckets_match_a_window_by_window_computation(trained, corpus):
 def test_generation_stops_at_the_trained_positions(trained):
     """A checkpoint trained at 32 positions (max_position_embeddings, no rope scaling): load's default
     window is 32; a larger max_seq_len is cut to 32 with a PositionLimitWarning; generate then stops at
-    position 32 with a MaxSeqLenWarning, as does dsv3-chat, with its note."""
+    position 32 with a MaxSeqLenWarning, as does dsv3-chat, with its note. Both complete the same
+    prompt (the chat's tokens), so the chat's prefill is the program already compiled here."""
     import subprocess
     import sys
     import warnings
 
     import dsv3_jax
     from dsv3_jax.config import trained_positions
+    from dsv3_jax.tokenizer import Tokenizer
 
     out, _ = trained
+    text = "def f(x):"
     assert trained_positions(out / "config.json") == 32
     with warnings.catch_warnings():
         warnings.simplefilter("error", dsv3_jax.PositionLimitWarning)
@@ -158,13 +161,14 @@ def test_generation_stops_at_the_trained_positions(trained):
     with pytest.warns(dsv3_jax.PositionLimitWarning, match="exceeds the 32 positions"):
         model = dsv3_jax.load(out, max_batch_size=1, max_seq_len=4096)
     assert model.args.max_seq_len == 32
-    prompt = list(range(5, 25))
+    prompt = Tokenizer.from_dir(out).encode(text)  # as dsv3-chat --complete encodes it
+    assert 0 < len(prompt) < 32
     with pytest.warns(dsv3_jax.MaxSeqLenWarning, match="stopped at max_seq_len=32"):
         completion = model.generate([prompt], 40, None, temperature=0.0)[0]
     assert len(prompt) + len(completion) == 32
     result = subprocess.run([sys.executable, "-m", "dsv3_jax.chat", "--ckpt-path", str(out), "--complete",
                              "--max-new-tokens", "400", "--temperature", "0", "--max-seq-len", "4096",
-                             "--num-devices", "1", "--prompt", "def f(x):"], capture_output=True, text=True, timeout=300)
+                             "--num-devices", "1", "--prompt", text], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "exceeds the 32 positions" in result.stderr
     assert "at --max-seq-len=32" in result.stderr
