@@ -220,9 +220,17 @@ def test_warm_up_compiles_and_decoding_holds_no_growing_buffers(tiny):
 
 # ------------------------------------------------------------------------------ chunked prefill
 CHUNK = 64
+# The forward test's rows: chunks of 64, 64, 52 from position 0 (windows 64, 128, 256), then from positions
+# 3 and 70, which end by position 250: every step of the second start attends over the window of 256, as
+# steps of the first do, whose compiled programs it reuses.
+FORWARD_LEN = 180
 # inside, just before, at and past chunk boundaries: bucket 512, 8 chunks. The first as long as the forward
 # test's rows, so that checking its greedy completion through `forward` reuses that test's compiled steps.
-UNEQUAL = (200, 63, 64, 257)
+UNEQUAL = (FORWARD_LEN, 63, 64, 257)
+# The sampled generations' top-k (a static argument of the sampling steps). The greedy ones take it too, so
+# that all of them share one compiled start_decoding and decode step: at temperature 0 the token is the
+# argmax, which every top-k keeps.
+TOP_K = 50
 
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["1dev", "4dev"])
@@ -241,14 +249,14 @@ def chunked_twin(model):
 
 def test_chunked_forward_equals_one_step(chunk_pair):
     whole, chunked = chunk_pair
-    tokens = np.random.default_rng(11).integers(0, 1024, (2, 200))  # chunks of 64, 64, 64, 8
+    tokens = np.random.default_rng(11).integers(0, 1024, (2, FORWARD_LEN))
     for start in (0, [3, 70]):  # rows starting at unequal positions: their chunks straddle different boundaries
         expected = np.asarray(whole.forward(tokens, start_pos=start))
         got = np.asarray(chunked.forward(tokens, start_pos=start))
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
         # the cache holds the same entries: the next token's logits agree too
         after = np.array([[5], [9]])
-        end = np.asarray(start) + 200
+        end = np.asarray(start) + FORWARD_LEN
         np.testing.assert_allclose(np.asarray(chunked.forward(after, start_pos=end)),
                                    np.asarray(whole.forward(after, start_pos=end)), rtol=1e-5,
                                    atol=1e-5 * np.abs(expected).max())
@@ -258,12 +266,12 @@ def test_chunked_generate_equals_one_step_prefill(chunk_pair):
     whole, chunked = chunk_pair
     rng = np.random.default_rng(12)
     prompts = [rng.integers(0, 1024, n).tolist() for n in UNEQUAL]
-    greedy = whole.generate(prompts, 10, eos_id=-1, temperature=0.0)
-    assert chunked.generate(prompts, 10, eos_id=-1, temperature=0.0) == greedy
+    greedy = whole.generate(prompts, 10, eos_id=-1, temperature=0.0, top_k=TOP_K)
+    assert chunked.generate(prompts, 10, eos_id=-1, temperature=0.0, top_k=TOP_K) == greedy
     # the one-step side is itself right (two rows, as in the forward test: its compiled steps)
     assert greedy_by_forward(whole, [prompts[0]] * 2, 10) == [greedy[0]] * 2
-    sampled = whole.generate(prompts, 10, eos_id=-1, temperature=1.0, seed=4, top_k=50)
-    assert chunked.generate(prompts, 10, eos_id=-1, temperature=1.0, seed=4, top_k=50) == sampled
+    sampled = whole.generate(prompts, 10, eos_id=-1, temperature=1.0, seed=4, top_k=TOP_K)
+    assert chunked.generate(prompts, 10, eos_id=-1, temperature=1.0, seed=4, top_k=TOP_K) == sampled
 
 
 def compiled(caplog, run) -> list[str]:
@@ -281,7 +289,7 @@ def test_chunked_prefill_compiles_per_window_not_per_prompt_length(chunk_pair, c
 
     def run(lengths):  # one new token: the prefill and the first token's sampling, no decode step
         return lambda: chunked.generate([rng.integers(0, 1024, n).tolist() for n in lengths], 1, eos_id=-1,
-                                        temperature=0.0)
+                                        temperature=0.0, top_k=TOP_K)
 
     # bucket 512 in chunks of 64 ending at 64, 128, ..., 512: windows 64 (the first chunk), 128, 256, 512
     assert compiled(caplog, run(UNEQUAL)).count("jit(prefill_chunk_step)") == 4
