@@ -128,7 +128,7 @@ def fp8_gemm_path(m: int, n: int, k: int, impl: str = "auto") -> str:
 
 
 def fp8_gemm(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.bfloat16,
-             impl: str = "auto", mosaic_config: MosaicGemmConfig | None = None):
+             impl: str = "auto", mosaic_config: MosaicGemmConfig | None = None, *, layer=None):
     """Block-scaled FP8 matrix product ``C = (A * a_s) @ (B * b_s)^T``.
 
     Args:
@@ -140,33 +140,48 @@ def fp8_gemm(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dty
       impl: "auto" (default: see fp8_gemm_path), "triton" or "mosaic" (the Mosaic GPU kernel; on
         a CPU it runs in Mosaic GPU's interpreter, for tests).
       mosaic_config: tiling of the Mosaic kernel (default: gemm_mgpu.default_mosaic_config).
+      layer: with b a stack of layers' weights (L, N, K) and b_s (L, ceil(N / 128), K // 128), the
+        layer (int32 scalar) to multiply by. The Triton kernel reads it in place (a layer sliced out
+        of a stack inside the layer scan would be copied first); the Mosaic kernel takes a slice.
 
     Returns:
       C with shape (..., N) and dtype out_dtype.
     """
     out_dtype = check_out_dtype(_FN, out_dtype)
+    if b.ndim not in (2, 3) or (b.ndim == 3) != (layer is not None):
+        fail(_FN, f"b has shape {tuple(b.shape)}: a stack (L, N, K) goes with `layer`, (N, K) without")
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    b, b_s = (b, b_s) if b.ndim == 3 else (b[None], b_s[None])
     m, n, k = _check(a, a_s, b, b_s)
     path = choose_path(m, n, k, impl, hopper())
     if m == 0 or n == 0:
         return jnp.zeros((*a.shape[:-1], n), out_dtype)
     interpret = use_interpret()
     if interpret_in_shard_map(interpret, a, a_s, b, b_s):
-        return fp8_gemm_ref(a, a_s, b, b_s, out_dtype=out_dtype)
+        return fp8_gemm_ref(a, a_s, *_one_layer(b, b_s, layer), out_dtype=out_dtype)
     a2, a_s2 = a.reshape(m, k), a_s.reshape(m, k // BLOCK)
     if path == "mosaic":
-        c = _mosaic_2d(a2, a_s2, b, b_s, out_dtype, mosaic_config, interpret)
+        c = _mosaic_2d(a2, a_s2, *_one_layer(b, b_s, layer), out_dtype, mosaic_config, interpret)
     else:
-        c = _fp8_gemm_2d(a2, a_s2, b, b_s, out_dtype, default_config(m, n, k), interpret)
+        if 2**31 <= b.size < 2**32:  # Triton would address this 1-byte ref with 32-bit signed offsets
+            b, b_s, layer = *(x[None] for x in _one_layer(b, b_s, layer)), jnp.zeros((1,), jnp.int32)
+        c = _fp8_gemm_2d(a2, a_s2, b, b_s, layer, out_dtype, default_config(m, n, k), interpret)
     return c.reshape(*a.shape[:-1], n)
+
+
+def _one_layer(b, b_s, layer):
+    """Layer `layer` ((1,) int32) of a weight stack and its scales, sliced out."""
+    return tuple(jax.lax.dynamic_index_in_dim(x, layer[0], 0, keepdims=False) for x in (b, b_s))
 
 
 def fp8_gemm_with_config(a, a_s, b, b_s, config: GemmConfig, out_dtype=jnp.bfloat16,
                          interpret: bool | None = None):
     """fp8_gemm with an explicit tiling: for tuning, benchmarks and tests of every code path."""
     out_dtype = check_out_dtype(_FN, out_dtype)
-    m, n, k = _check(a, a_s, b, b_s)
+    m, n, k = _check(a, a_s, b[None], b_s[None])
     interpret = use_interpret() if interpret is None else interpret
-    c = _fp8_gemm_2d(a.reshape(m, k), a_s.reshape(m, k // BLOCK), b, b_s, out_dtype, config, interpret)
+    c = _fp8_gemm_2d(a.reshape(m, k), a_s.reshape(m, k // BLOCK), b[None], b_s[None], jnp.zeros((1,), jnp.int32),
+                     out_dtype, config, interpret)
     return c.reshape(*a.shape[:-1], n)
 
 
@@ -178,78 +193,85 @@ def _mosaic_2d(a, a_s, b, b_s, out_dtype, config: MosaicGemmConfig | None, inter
 
 
 def _check(a, a_s, b, b_s) -> tuple[int, int, int]:
+    """(M, N, K) of a product with a stack of weights b (L, N, K), its scales b_s (L, ceil(N/128), K/128)."""
     for name, x in (("a", a), ("b", b)):
         check_dtype(_FN, name, x, (FP8,), "float8_e4m3fn")
     for name, x in (("a_s", a_s), ("b_s", b_s)):
         check_dtype(_FN, name, x, (jnp.float32,), "float32")
     k = check_last_dim(_FN, "a", a)
-    if b.ndim != 2 or b.shape[1] != k:
-        fail(_FN, f"b has shape {tuple(b.shape)}, expected (N, {k}) = (N, K) with K from a")
-    n = b.shape[0]
+    if b.shape[-1] != k:
+        fail(_FN, f"b has shape {tuple(b.shape[1:])}, expected (N, {k}) = (N, K) with K from a")
+    n = b.shape[1]
     want = (*a.shape[:-1], k // BLOCK)
     if tuple(a_s.shape) != want:
         fail(_FN, f"a_s has shape {tuple(a_s.shape)}, expected {want} = (..., K/128)")
-    want = (cdiv(n, BLOCK), k // BLOCK)
+    want = (b.shape[0], cdiv(n, BLOCK), k // BLOCK)
     if tuple(b_s.shape) != want:
-        fail(_FN, f"b_s has shape {tuple(b_s.shape)}, expected {want} = (ceil(N/128), K/128)")
+        fail(_FN, f"b_s has shape {tuple(b_s.shape[1:])}, expected {want[1:]} = (ceil(N/128), K/128)")
     return rows(a.shape), n, k
 
 
-def _fp8_gemm_2d(a, a_s, b, b_s, out_dtype, cfg: GemmConfig, interpret: bool):
-    (m, k), n = a.shape, b.shape[0]
+def _fp8_gemm_2d(a, a_s, b, b_s, layer, out_dtype, cfg: GemmConfig, interpret: bool):
+    """The Triton kernel on A (M, K) and layer `layer` ((1,) int32) of the weight stack b (L, N, K)."""
+    (m, k), n = a.shape, b.shape[1]
     nkb = k // BLOCK
     cfg.check(nkb)
     bm, bn, split = cfg.bm, cfg.bn, cfg.split
     kbp = nkb // split  # K-blocks per program
     vma = vma_union(a, a_s, b, b_s)  # inside shard_map: the axes the operands vary along
-    kernel = functools.partial(_kernel, m=m, n=n, mma_dtype=jnp.float16 if cfg.mma == "f16" else None)
-    a, a_s, b, b_s = match_vma(vma, a, a_s, b, b_s)
+    kernel = functools.partial(_kernel, m=m, n=n, bn=bn, kbp=kbp,
+                               mma_dtype=jnp.float16 if cfg.mma == "f16" else None)
+    layer, a, a_s, b, b_s = match_vma(vma, layer, a, a_s, b, b_s)
     if split == 1:
         out_shape = result((m, n), out_dtype, vma)
         out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
     else:  # float32 partial sums, reduced below
         out_shape = result((split, m, n), jnp.float32, vma)
         out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
-    # Program (i, j, s) sees exactly its operands: rows i of A, rows j of B, K-range s. All
-    # indexing inside the kernel is then relative to its blocks.
+    # Program (i, j, s) sees its rows i of A and their scales for K-range s; the weight stack and its
+    # scales are whole refs (the layer is a runtime value), indexed in the kernel.
     c = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         # M tiles vary fastest, so the programs running together share B tiles in L2.
         grid=(cdiv(m, bm), cdiv(n, bn), split),
         in_specs=[
+            pl.no_block_spec,
             pl.BlockSpec((bm, kbp * BLOCK), lambda i, j, s: (i, s)),
             pl.BlockSpec((bm, kbp), lambda i, j, s: (i, s)),
-            pl.BlockSpec((bn, kbp * BLOCK), lambda i, j, s: (j, s)),
-            # 128 // bn tiles share one scale row; for 1-row blocks block index = row index
-            pl.BlockSpec((1, kbp), lambda i, j, s: ((j * bn) // BLOCK, s)),
+            pl.no_block_spec,
+            pl.no_block_spec,
         ],
         out_specs=out_spec,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="fp8_gemm",
-    )(a, a_s, b, b_s)
+    )(layer, a, a_s, b, b_s)
     if split > 1:
         c = c.sum(axis=0).astype(out_dtype)
     return c
 
 
-def _kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m, n, mma_dtype):
-    bm, bn, kbp = a_ref.shape[0], b_ref.shape[0], as_ref.shape[1]
-    i, j = pl.program_id(0), pl.program_id(1)
+def _kernel(layer_ref, a_ref, as_ref, b_ref, bs_ref, o_ref, *, m, n, bn, kbp, mma_dtype):
+    bm = a_ref.shape[0]
+    i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
     # Rows of A / B past the edge are not loaded; the garbage they leave in registers only
     # reaches output rows / columns that are masked at the store.
     row_ok = (i * bm + jnp.arange(bm)) < m if m % bm else None
     col_ok = (j * bn + jnp.arange(bn)) < n if n % bn else None
     row_mask = None if row_ok is None else row_ok[:, None]
     col_mask = None if col_ok is None else col_ok[:, None]
+    b_rows = pl.ds(pl.multiple_of(j * bn, bn), bn)
+    scale_row = (j * bn) // BLOCK  # bn <= 128: one weight scale row for the whole tile
 
     def body(t, acc):
         ks = pl.ds(pl.multiple_of(t * BLOCK, BLOCK), BLOCK)
+        kb = split * kbp + t  # the K-block in the whole K
         a = plgpu.load(a_ref.at[:, ks], mask=row_mask)
-        b = plgpu.load(b_ref.at[:, ks], mask=col_mask)
+        b = plgpu.load(b_ref.at[layer, b_rows, pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)], mask=col_mask)
         sa = plgpu.load(as_ref.at[:, pl.ds(t, 1)], mask=row_mask)  # (bm, 1)
-        sb = bs_ref[:, pl.ds(t, 1)]  # (1, 1): one weight scale for the whole tile
+        sb = bs_ref[layer, pl.ds(scale_row, 1), pl.ds(kb, 1)]  # (1, 1): one weight scale for the whole tile
         if mma_dtype is not None:
             a, b = a.astype(mma_dtype), b.astype(mma_dtype)
         # (bm, bn) float32 from the tensor cores; contracting b's dim 1 = A . B^T

@@ -73,12 +73,19 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--layers", type=int, help="cut the model to this many layers (dense first)")
+    p.add_argument("--weights", choices=("bf16", "fp8"), help="weight storage (default: the config's dtype)")
     p.add_argument("--build-kwargs", default="{}", help="JSON of extra dsv3_jax.build keyword arguments")
+    p.add_argument("--hlo-out", default=None, help="write the step's compiled HLO here (gzipped)")
     p.add_argument("--out", default=None, help="write the profile as JSON here")
     o = p.parse_args()
 
     args = ModelArgs.from_reference_json(o.config).replace(max_batch_size=max(o.batch, 1),
                                                            max_seq_len=o.context + 64 + o.steps)
+    if o.layers:
+        args = args.replace(n_layers=o.layers, n_dense_layers=min(args.n_dense_layers, o.layers))
+    if o.weights:
+        args = args.replace(dtype=o.weights)
     model = dsv3_jax.build(args, seed=0, **json.loads(o.build_kwargs))
     prompt = np.random.default_rng(0).integers(0, args.vocab_size, (o.batch, o.context)).astype(np.int32)
     zeros = np.zeros((o.batch,), np.int32)
@@ -98,6 +105,9 @@ def main() -> None:
     hlo = model.step.lower(model.state, model.cache, greedy(state["logits"]), state["pos"], zeros,
                            kv_len=window).compile().as_text()
     instruction_scope = scopes_of_instructions(hlo)
+    if o.hlo_out:
+        with gzip.open(o.hlo_out, "wt") as f:
+            f.write(hlo)
     t0 = time.perf_counter()
     run(o.steps)
     wall = (time.perf_counter() - t0) / o.steps  # timed outside the profiler

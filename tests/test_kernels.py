@@ -100,6 +100,17 @@ def test_fp8_gemm_configs(rng, config):
     check_fp8_gemm(a, a_s, b, b_s, config=config, out_dtype=jnp.float32)
 
 
+@pytest.mark.parametrize("rows", [3, 37])  # split-K narrow tiles (decode); taller tiles, M ragged
+def test_fp8_gemm_reads_a_layer_of_a_stack(rng, rows):
+    """b a stack of three layers' weights: the product with layer 1 (a traced index, as in the layer scan),
+    against float64 on that layer alone; the other layers are O(1) off, so a wrong layer or K offset fails."""
+    layers = [gemm_operands(rng, (rows,), 200, 768) for _ in range(3)]
+    a, a_s = layers[0][:2]
+    b, b_s = (jnp.stack([layer[i] for layer in layers]) for i in (2, 3))
+    c = jax.jit(lambda layer: fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, layer=layer))(jnp.int32(1))
+    assert rel_l2(c, numpy_gemm(a, a_s, b[1], b_s[1])) < gemm_tolerance(jnp.float32)
+
+
 def test_fp8_gemm_twin_matches_numpy(rng):
     a, a_s, b, b_s = gemm_operands(rng, (5,), 200, 512)
     assert rel_l2(fp8_gemm_ref(a, a_s, b, b_s, out_dtype=jnp.float32), numpy_gemm(a, a_s, b, b_s)) < 1e-6

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kernel_checks import (AQ, GM, activations, check_act_quant, check_fp8_gemm, check_weight_dequant,
-                           fp8_weight, gemm_operands, gemm_tolerance, rel_l2)
+                           fp8_weight, gemm_operands, gemm_tolerance, numpy_gemm, rel_l2)
 from pallas_kernels import GemmConfig, act_quant, fp8_gemm
 from script_modules import load_script
 
@@ -66,6 +66,17 @@ def test_fp8_gemm_default_vs_numpy(rng, m):
     a, a_s, b, b_s = gemm_operands(rng, (m,), 2112, 1536)  # N = 16.5 blocks: ragged
     check_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32)
     check_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 37, 200])  # split-K narrow tiles; taller tiles; the Mosaic kernel's slice
+def test_fp8_gemm_reads_a_layer_of_a_stack(rng, m):
+    """Layer 1 of a three-layer weight stack (a traced index), against float64 on that layer alone."""
+    layers = [gemm_operands(rng, (m,), 576, 1536) for _ in range(3)]  # N = 4.5 blocks: ragged
+    a, a_s = layers[0][:2]
+    b, b_s = (jnp.stack([layer[i] for layer in layers]) for i in (2, 3))
+    c = jax.jit(lambda layer: fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, layer=layer))(jnp.int32(1))
+    assert rel_l2(c, numpy_gemm(a, a_s, b[1], b_s[1])) < gemm_tolerance(jnp.float32)
 
 
 @pytest.mark.gpu

@@ -90,25 +90,27 @@ class MLA(nnx.Module):
                  stack_index=None) -> tuple[jnp.ndarray, dict]:
         """x (B, S, dim) -> (attention output (B, S, dim), summed over the heads' ranks; this chunk's
         cache entries). B is this device's rows (the cache's, when the layout splits the batch).
-        `stack_index`: wkv_b holds its whole layer stack (`run_stack`), of which this layer is that one.
+        `stack_index`: this layer's place in the weight stacks kept whole (`run_stack`): wkv_b's, and the
+        projections' where the fp8 GEMM kernel reads them.
 
         `cache` None: no cache, the chunk attends to itself (a full-sequence pass; `kv_len` unused).
         `cache` is read, not written: attention sees its window with this chunk's entries put in
         place, and the caller stores the returned entries (see `write_cache`)."""
         batch, seq, _ = x.shape
-        q_nope, q_pe, latent, k_pe = self._project(x, ctx)
+        q_nope, q_pe, latent, k_pe = self._project(x, ctx, stack_index)
         flash = flash_impl(ctx.options.prefill_attn, seq, cache is not None)
         if ctx.options.attn_impl == "naive":
             out, entries = self._naive(q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index)
         else:
             out, entries = self._absorb(q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index)
-        return self.wo(out.reshape(batch, seq, -1), reduce=ctx.layout.axes("heads"), **ctx.gemm), entries
+        return self.wo(out.reshape(batch, seq, -1), reduce=ctx.layout.axes("heads"), layer=stack_index,
+                       **ctx.gemm), entries
 
-    def _project(self, x: jnp.ndarray, ctx: StepContext):
+    def _project(self, x: jnp.ndarray, ctx: StepContext, stack_index=None):
         """The rotated query halves (B, S, H, nope), (B, S, H, rope), the normed latent (B, S, C) and
         the rotated shared rotary key (B, S, rope) of the chunk."""
         batch, seq, _ = x.shape
-        gemm = ctx.gemm
+        gemm = dict(ctx.gemm, layer=stack_index)
         if hasattr(self, "wq"):
             q = self.wq(x, **gemm)
         else:

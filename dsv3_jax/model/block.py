@@ -50,11 +50,13 @@ class Block(nnx.Module):
                 ffn_out, expert_loads = ffn_out
         else:
             with jax.named_scope("mlp"):
-                ffn_out = self.ffn(normed, ctx, reduce=True)
+                ffn_out = self.ffn(normed, ctx, reduce=True, layer=stack_index)
         return (h + ffn_out, entries, expert_loads) if loads else (h + ffn_out, entries)
 
 
 WHOLE_STACKS = ("experts", "shared_experts", "wkv_b")
+# with gemm_impl "fp8" the fp8 GEMM kernel reads the dense projections too (the bf16 path slices them)
+FP8_GEMM_STACKS = ("wq", "wq_a", "wq_b", "wkv_a", "wo", "w1", "w2", "w3")
 
 
 def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None, first_layer: int, *,
@@ -64,9 +66,10 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None
     (depth, B, S, ...), and with `loads` the stacked expert loads (depth, E) (None for dense layers).
     `remat` recomputes each layer's activations in the backward pass instead of keeping them (training)."""
     # the weights that Pallas kernels read stay whole, the kernels indexing the layer (a slice of the
-    # stack passed to a kernel is copied out first): routed and shared experts, wkv_b; the rest is
-    # scanned over
-    graphdef, whole, rest = nnx.split(stack, nnx.Any(*map(nnx.PathContains, WHOLE_STACKS)), ...)
+    # stack passed to a kernel is copied out first): routed and shared experts, wkv_b, and under
+    # gemm_impl "fp8" the projections; the rest is scanned over
+    names = WHOLE_STACKS + (FP8_GEMM_STACKS if ctx.options.gemm_impl == "fp8" else ())
+    graphdef, whole, rest = nnx.split(stack, nnx.Any(*map(nnx.PathContains, names)), ...)
     depth = jax.tree.leaves(rest)[0].shape[0]
 
     def one_layer(h, xs):

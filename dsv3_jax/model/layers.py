@@ -76,12 +76,16 @@ class Linear(nnx.Module):
         return weight_dequant(self.weight[...], self.scale[...], block_size=FP8_BLOCK, out_dtype=dtype)
 
     def __call__(self, x: jnp.ndarray, *, gemm_impl: str = "bf16", scale_fmt: str | None = None,
-                 reduce: tuple[str, ...] = (), out_dtype=None) -> jnp.ndarray:
+                 reduce: tuple[str, ...] = (), out_dtype=None, layer=None) -> jnp.ndarray:
+        """`layer`: where the weight holds its whole layer stack (L, out, in) -- `run_stack` keeps the
+        ones the fp8 GEMM kernel reads so -- the layer to use; an (out, in) weight ignores it."""
+        whole = layer is not None and self.weight.ndim == 3
         if self.scale is not None and gemm_impl == "fp8":
             xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
-            y = fp8_gemm(xq, xs, self.weight[...], self.scale[...], out_dtype=jnp.float32)
+            y = fp8_gemm(xq, xs, self.weight[...], self.scale[...], out_dtype=jnp.float32,
+                         layer=layer if whole else None)
         else:
-            w = self.dequantized(x.dtype)
+            w = (layer_of(self, layer) if whole else self).dequantized(x.dtype)
             y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         if reduce:
             y = jax.lax.psum(y, reduce)

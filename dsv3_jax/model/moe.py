@@ -20,7 +20,7 @@ from pallas_kernels.router import route
 
 from ..config import ModelArgs
 from ..options import StepContext
-from .layers import Linear, init_normal, layer_of, param
+from .layers import Linear, init_normal, param
 
 
 class MLP(nnx.Module):
@@ -35,11 +35,13 @@ class MLP(nnx.Module):
         self.w2 = Linear(inter_dim, dim, axes=("embed", hidden), **common)
         self.w3 = Linear(dim, inter_dim, axes=(hidden, "embed"), **common)
 
-    def __call__(self, x: jnp.ndarray, ctx: StepContext, reduce: bool = False, out_dtype=None) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, reduce: bool = False, out_dtype=None,
+                 layer=None) -> jnp.ndarray:
         """This rank's partial output; with `reduce` the whole output for x's rows (B, ...): rows
         gathered first and the sum reduce-scattered back when the batch is split over the hidden
-        units' ranks too (`Layout.reduction`)."""
-        gemm = ctx.gemm
+        units' ranks too (`Layout.reduction`). `layer`: as `Linear`'s, for weights that hold their
+        whole layer stack."""
+        gemm = dict(ctx.gemm, layer=layer)
         gathered, summed = ctx.layout.reduction(self.hidden) if reduce else ((), ())
         rows = ctx.layout.gather_rows(x, gathered)
         hidden = jax.nn.silu(self.w1(rows, **gemm).astype(jnp.float32)).astype(x.dtype) * self.w3(rows, **gemm)
@@ -361,11 +363,11 @@ class MoE(nnx.Module):
             y = self.experts(flat, weights, indices, ctx, stack_index, self.shared_experts if inside else None)
         if shared_joins and not inside:
             with jax.named_scope("shared_experts"):
-                y = y + layer_of(self.shared_experts, stack_index)(flat, ctx).astype(jnp.float32)
+                y = y + self.shared_experts(flat, ctx, layer=stack_index).astype(jnp.float32)
         y = layout.reduce_rows(y, gathered, summed)
         if self.shared_experts is not None and not shared_joins:
             with jax.named_scope("shared_experts"):
-                y = y + layer_of(self.shared_experts, stack_index)(local, ctx, reduce=True).astype(jnp.float32)
+                y = y + self.shared_experts(local, ctx, reduce=True, layer=stack_index).astype(jnp.float32)
         y = y.astype(x.dtype).reshape(shape)
         if not loads:
             return y
