@@ -81,33 +81,48 @@ def one_pass_logits(model, steps: int = 1) -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def ragged():
+def random_model():
+    """random_model(weights) -> the one random model of that weight format (1 device, float32, moe_impl
+    "ragged"), made once for the module: for bf16, `dsv3_jax.build(tiny("bf16"), seed=0, ...)`; for fp8,
+    its `fp8_twin`. Other configurations take its weights with `same_weights` (a build on another mesh,
+    or in bfloat16, makes the same numbers, there or rounded to bfloat16; its random init is a program
+    per mesh and dtype)."""
+    made = {}
+
+    def get(weights: str) -> dsv3_jax.Model:
+        if weights not in made:
+            with kernel_twins(*DENSE_KERNELS):
+                if "bf16" not in made:
+                    made["bf16"] = dsv3_jax.build(tiny("bf16"), seed=0, compute_dtype="float32", moe_impl="ragged")
+                if weights not in made:
+                    made[weights] = fp8_twin(made["bf16"])
+        return made[weights]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def ragged(random_model):
     """ragged(num_devices, weights, gemm_impl, compute_dtype) -> (model, reference logits): the model of
-    that configuration (moe_impl "ragged") and the logits "ragged" gives with its weights, made and run
-    once per configuration (`one_pass_logits`) and shared by every implementation compared with it.
-    Its weights are those of one random model per weight format (1 device, float32: for bf16,
-    `dsv3_jax.build(tiny("bf16"), seed=0, ...)`; for fp8, its `fp8_twin`) placed on the mesh and
-    held in the configuration's dtypes (a build on another mesh, or in bfloat16, makes the same
-    numbers, there or rounded to bfloat16; its random init is a program per mesh and dtype). With
-    fp8 weights and gemm_impl "bf16" the logits are those of the bf16-format model of the weights it
+    that configuration (moe_impl "ragged"), `random_model(weights)`'s weights placed on the mesh and held
+    in the configuration's dtypes, and the logits "ragged" gives with them, made and run once per
+    configuration (`one_pass_logits`) and shared by every implementation compared with it. With fp8
+    weights and gemm_impl "bf16" the logits are those of the bf16-format model of the weights it
     computes with (`dequantized`): the same numbers, from the bf16 configuration's compiled step."""
-    built, random = {}, {}
+    built = {}
 
     def get(num_devices: int, weights: str, gemm_impl: str, compute_dtype: str):
         key = (num_devices, weights, gemm_impl, compute_dtype)
         if key not in built:
             with kernel_twins(*DENSE_KERNELS):
-                if "bf16" not in random:
-                    random["bf16"] = dsv3_jax.build(tiny("bf16"), seed=0, compute_dtype="float32", moe_impl="ragged")
-                if weights not in random:
-                    random[weights] = fp8_twin(random["bf16"])
                 choices = dict(gemm_impl=gemm_impl, compute_dtype=compute_dtype)
-                model = same_weights(random[weights], make_mesh(num_devices), **choices)
+                model = same_weights(random_model(weights), make_mesh(num_devices), **choices)
                 oracle = model
                 if weights == "fp8" and gemm_impl == "bf16":
                     # a step of gemm_impl "bf16" computes with the fp8 weights times their scales (rounded to
                     # the compute dtype): the bf16-format model of those weights, the bf16 configuration's step
-                    oracle = same_weights(dequantized(random["fp8"], random["bf16"]), model.mesh, **choices)
+                    oracle = same_weights(dequantized(random_model("fp8"), random_model("bf16")), model.mesh,
+                                          **choices)
                 built[key] = model, one_pass_logits(oracle)
         return built[key]
 
@@ -215,14 +230,15 @@ def gemms_outside_kernels(jaxpr) -> int:
 
 
 @pytest.mark.parametrize("num_devices", [1, 4])
-def test_shared_experts_run_inside_the_slot_kernels(num_devices):
+def test_shared_experts_run_inside_the_slot_kernels(random_model, num_devices):
     """`fuse_shared_experts`: the 4 shared experts (4 x 128 hidden units; on 4 ranks one each) run as more
     experts of the slot kernels, so the shared MLP's three GEMMs leave the (scanned) MoE layer's XLA program,
     and a decode step's logits equal those with the shared experts apart, which
     test_fused_moe_matches_ragged's slots cases hold to ragged (float32: a dropped or misread shared expert
-    moves them by O(1))."""
-    models = {fuse: dsv3_jax.build(tiny("bf16"), seed=0, num_devices=num_devices, compute_dtype="float32",
-                                   moe_impl="slots", fuse_shared_experts=fuse) for fuse in (True, False)}
+    moves them by O(1)). The weights are the module's random bf16 model's (on 4 devices placed from the
+    host: no random-init program for that mesh)."""
+    models = {fuse: same_weights(random_model("bf16"), make_mesh(num_devices), moe_impl="slots",
+                                 fuse_shared_experts=fuse) for fuse in (True, False)}
     tokens, start, last = np.array([[5], [7]], np.int32), np.array([0, 0], np.int32), np.zeros(2, np.int32)
     gemms, logits = {}, {}
     for fuse, model in models.items():
