@@ -20,17 +20,18 @@ from hf_models import hf_model, save  # noqa: E402
 
 ORIGINAL = 4096
 END = 20_002
-# (start, length) of each call: prefill chunks, then decode steps just past 4,096 and around 20,000
-CHUNK = 4096
+# (start, length) of each call: prefill chunks, then decode steps just past 4,096 and around 20,000.
+# The chunks between end in two cache windows (16,384 and the whole cache): three of one length up to
+# 16,384, then one to 20,000, so the model compiles two long steps for them.
+WINDOW = 16_384
 
 
 def _plan() -> list[tuple[int, int]]:
     plan = [(0, ORIGINAL), (ORIGINAL, 4), (ORIGINAL + 4, 1), (ORIGINAL + 5, 1)]
     start = ORIGINAL + 6
-    while start < 20_000:
-        plan.append((start, min(CHUNK, 20_000 - start)))
-        start += plan[-1][1]
-    return plan + [(20_000, 1), (20_001, 1)]
+    length = (WINDOW - start) // 3
+    plan += [(start + i * length, length) for i in range(3)]
+    return plan + [(WINDOW, 20_000 - WINDOW), (20_000, 1), (20_001, 1)]
 
 
 PLAN = _plan()
