@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from chat_calls import chat_each, python_each
+from chat_calls import python_each
 from dsv3_jax.decode.generate import generate
 from dsv3_jax.checkpoint.safetensors import TensorIndex
 from dsv3_jax.tokenizer import Tokenizer
@@ -45,12 +45,9 @@ BATCH_PROMPTS = ["What is 3 plus 4?", "Describe a red lamp.", "Hello, my name is
 COMPLETE_PROMPT = "def fibonacci(n):"
 
 
-@pytest.fixture(scope="module")
-def cli(tmp_path_factory):
-    """What each of the tests' chat command lines gives, all run in one process (`chat_each`: one
-    start and one jax import for all; test_distributed starts the CLI as processes of their own).
-    The batch runs share their prompts, lengths and window, so that their steps compile once."""
-    root = tmp_path_factory.mktemp("chat")
+def cli_calls(root: Path) -> dict[str, tuple[tuple, str]]:
+    """The tests' chat command lines (argv after `python`, stdin), made in `root`. The batch runs share
+    their prompts, lengths and window, so that their steps compile once."""
     (root / "prompts.txt").write_text("\n".join(BATCH_PROMPTS) + "\n\n")
     (root / "empty.txt").write_text("\n")
     checkpoint = tiny_with_mtp(root / "tiny_mtp")
@@ -72,7 +69,35 @@ def cli(tmp_path_factory):
         "plain": (greedy, ""),
         "mtp": ((*greedy, "--mtp"), ""),
     }
-    return dict(zip(calls, chat_each(*calls.values())))
+    return {name: (("-m", "dsv3_jax.chat", *argv), stdin) for name, (argv, stdin) in calls.items()}
+
+
+def entry_point_calls() -> dict[str, tuple[tuple, str]]:
+    """`<script> --help` of each installed console script, run as Python runs the script (its file as
+    `__main__`)."""
+    scripts = {name: Path(sys.executable).parent / name for name in ENTRY_POINTS}
+    return {name: ((script, "--help"), "") for name, script in scripts.items() if script.exists()}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> dict[str, dict[str, subprocess.CompletedProcess]]:
+    """What the command lines of the `cli` and `entry_point_helps` fixtures give, for those the selected
+    tests use, all run in one process (`python_each`: one start and one jax import for all;
+    test_distributed starts the CLI as processes of their own)."""
+    used = {name for item in request.session.items if item.module is request.module for name in item.fixturenames}
+    groups = {}
+    if "cli" in used:
+        groups["cli"] = cli_calls(tmp_path_factory.mktemp("chat"))
+    if "entry_point_helps" in used:
+        groups["entry_point_helps"] = entry_point_calls()
+    results = iter(python_each(*(call for calls in groups.values() for call in calls.values())))
+    return {group: {name: next(results) for name in calls} for group, calls in groups.items()}
+
+
+@pytest.fixture(scope="module")
+def cli(runs) -> dict[str, subprocess.CompletedProcess]:
+    """What each of the tests' chat command lines gives (`cli_calls`)."""
+    return runs["cli"]
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +180,9 @@ ENTRY_POINTS = {
 
 
 @pytest.fixture(scope="module")
-def entry_point_helps() -> dict:
-    """`<script> --help` of each installed console script, run as Python runs the script (its file as
-    `__main__`), all in one process."""
-    scripts = {name: Path(sys.executable).parent / name for name in ENTRY_POINTS}
-    installed = [name for name, script in scripts.items() if script.exists()]
-    return dict(zip(installed, python_each(*(((scripts[name], "--help"), "") for name in installed))))
+def entry_point_helps(runs) -> dict[str, subprocess.CompletedProcess]:
+    """`<script> --help` of each installed console script (`entry_point_calls`)."""
+    return runs["entry_point_helps"]
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)
@@ -244,6 +266,7 @@ def tiny_with_mtp(directory: Path) -> Path:
     """The embedded model plus a random MTP layer (layer num_hidden_layers, float32 tensors)."""
     import shutil
 
+    import jax
     import jax.numpy as jnp
     from flax import nnx
     from safetensors.numpy import save_file
@@ -259,7 +282,8 @@ def tiny_with_mtp(directory: Path) -> Path:
     (directory / "config.json").write_text(json.dumps(config))
     index = TensorIndex(TINY)
     args = with_gate_bias(ModelArgs.from_file(directory / "config.json"), lambda name: hf_name(name) in index)
-    _, state = nnx.split(MTP(args, param_dtype=jnp.float32, rngs=nnx.Rngs(4)))
+    # initialised in one compiled program (eagerly, every parameter's draw would compile one of its own)
+    state = jax.jit(lambda: nnx.split(MTP(args, param_dtype=jnp.float32, rngs=nnx.Rngs(4)))[1])()
     tensors = mtp_hf_tensors(state, args)
     save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}, str(directory / "mtp.safetensors"))
     return directory

@@ -286,16 +286,37 @@ def test_cast_without_fp8_tensors_is_an_error_and_writes_nothing(runs):
 
 # `python convert/<tool>.py --help`, then which dsv3_jax it imported, in the same process
 WHICH_PACKAGE = "import sys; print(sys.modules['dsv3_jax'].__file__)\n"
+# Before each shim: the process as a new one is for the shim (no dsv3_jax imported; the driver
+# restores sys.path before every command, so no earlier shim's path entry is left either)
+FORGET_PACKAGE = "import sys\nfor name in [m for m in sys.modules if m.split('.')[0] == 'dsv3_jax']: del sys.modules[name]\n"
+SHIMS = ["convert", "to_orbax", "fp8_cast_bf16"]
 
 
-@pytest.mark.parametrize("name", ["convert", "to_orbax", "fp8_cast_bf16"])
-def test_convert_scripts_run_from_a_checkout(tmp_path, name):
-    """`python convert/<tool>.py` (the reference's way) from any directory, nothing installed on the
-    path: the shim imports this checkout's package. A process of its own (no package imported before)."""
+@pytest.fixture(scope="module")
+def shim_runs(request, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]]:
+    """For each selected shim: what `python convert/<name>.py --help` gave, then which dsv3_jax the process
+    had imported; all run from a directory of their own, nothing installed on the path (no PYTHONPATH),
+    in one process (one start for all), the checkout's package forgotten before each shim."""
+    selected = [name for name in SHIMS if any(item.module is request.module and
+                                              item.originalname == "test_convert_scripts_run_from_a_checkout" and
+                                              item.callspec.params["name"] == name for item in request.session.items)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    shim = ROOT / "convert" / f"{name}.py"
-    (tmp_path / "which.py").write_text(WHICH_PACKAGE)
-    result, where = python_each(((shim, "--help"), b"", tmp_path), ((tmp_path / "which.py",), b"", tmp_path), env=env)
+    here = tmp_path_factory.mktemp("shims")
+    (here / "which.py").write_text(WHICH_PACKAGE)
+    (here / "forget.py").write_text(FORGET_PACKAGE)
+    calls = [call for name in selected for call in (((here / "forget.py",), b"", here),
+                                                    ((ROOT / "convert" / f"{name}.py", "--help"), b"", here),
+                                                    ((here / "which.py",), b"", here))]
+    results = python_each(*calls, env=env)
+    assert all(forget.returncode == 0 for forget in results[::3]), results[::3]
+    return {name: (results[3 * i + 1], results[3 * i + 2]) for i, name in enumerate(selected)}
+
+
+@pytest.mark.parametrize("name", SHIMS)
+def test_convert_scripts_run_from_a_checkout(shim_runs, name):
+    """`python convert/<tool>.py` (the reference's way) from any directory, nothing installed on the
+    path: the shim imports this checkout's package (none imported before it: `shim_runs`)."""
+    result, where = shim_runs[name]
     assert result.returncode == 0 and "--help" in result.stdout, result.stderr
     assert where.returncode == 0 and Path(where.stdout.strip()) == ROOT / "dsv3_jax" / "__init__.py", where
 
