@@ -66,7 +66,7 @@ def scopes_of_instructions(hlo_text: str) -> dict[str, str]:
     return scopes
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--batch", type=int, default=1)
@@ -78,14 +78,21 @@ def main() -> None:
     p.add_argument("--build-kwargs", default="{}", help="JSON of extra dsv3_jax.build keyword arguments")
     p.add_argument("--hlo-out", default=None, help="write the step's compiled HLO here (gzipped)")
     p.add_argument("--out", default=None, help="write the profile as JSON here")
-    o = p.parse_args()
+    return p.parse_args()
 
+
+def model_args(o: argparse.Namespace) -> ModelArgs:
+    """The config, sized for the run and cut to --layers, in --weights."""
     args = ModelArgs.from_reference_json(o.config).replace(max_batch_size=max(o.batch, 1),
                                                            max_seq_len=o.context + 64 + o.steps)
     if o.layers:
         args = args.replace(n_layers=o.layers, n_dense_layers=min(args.n_dense_layers, o.layers))
-    if o.weights:
-        args = args.replace(dtype=o.weights)
+    return args.replace(dtype=o.weights) if o.weights else args
+
+
+def main() -> None:
+    o = parse_args()
+    args = model_args(o)
     model = dsv3_jax.build(args, seed=0, **json.loads(o.build_kwargs))
     prompt = np.random.default_rng(0).integers(0, args.vocab_size, (o.batch, o.context)).astype(np.int32)
     zeros = np.zeros((o.batch,), np.int32)
