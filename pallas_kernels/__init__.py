@@ -24,7 +24,7 @@ from ._common import BLOCK as FP8_BLOCK, FP8 as FP8_DTYPE, cdiv, use_interpret
 from .dequantize import weight_dequant
 from .flash_attention import flash_attention
 from .flash_attention_mgpu import FlashTiles
-from .gemm import GemmConfig, fp8_gemm, fp8_gemm_path
+from .gemm import GemmConfig, fp8_gemm, fp8_gemm_path, fp8_gemm_reads_stacks_in_place
 from .gemm_mgpu import MosaicGemmConfig
 from .grouped import grouped_gemm, grouped_gemm_backend, grouped_gemm_swiglu
 from .grouped_mgpu import MOSAIC_MIN_ROWS, MosaicTiles, grouped_gemm_mgpu
@@ -33,5 +33,5 @@ from .quantize import act_quant
 from .router import route
 
 __all__ = ["FP8_BLOCK", "FP8_DTYPE", "FlashTiles", "GemmConfig", "MOSAIC_MIN_ROWS", "MosaicGemmConfig", "MosaicTiles",
-           "act_quant", "cdiv", "flash_attention", "fp8_gemm", "fp8_gemm_path", "grouped_gemm", "grouped_gemm_backend",
+           "act_quant", "cdiv", "flash_attention", "fp8_gemm", "fp8_gemm_path", "fp8_gemm_reads_stacks_in_place", "grouped_gemm", "grouped_gemm_backend",
            "grouped_gemm_mgpu", "grouped_gemm_swiglu", "mla_decode", "route", "use_interpret", "weight_dequant"]

@@ -127,6 +127,12 @@ def fp8_gemm_path(m: int, n: int, k: int, impl: str = "auto") -> str:
     return choose_path(m, n, k, impl, hopper())
 
 
+def fp8_gemm_reads_stacks_in_place(m: int) -> bool:
+    """Whether fp8_gemm(..., layer=...) on m rows (impl "auto", the default device) reads its layer of a
+    weight stack in place (the Triton kernel) rather than slicing it out (the Mosaic kernel)."""
+    return choose_path(m, BLOCK, BLOCK, "auto", hopper()) == "triton"
+
+
 def fp8_gemm(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.bfloat16,
              impl: str = "auto", mosaic_config: MosaicGemmConfig | None = None, *, layer=None):
     """Block-scaled FP8 matrix product ``C = (A * a_s) @ (B * b_s)^T``.

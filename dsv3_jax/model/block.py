@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import fp8_gemm_reads_stacks_in_place
+
 from ..config import ModelArgs
 from ..options import StepContext
 from .attention import MLA
@@ -55,7 +57,8 @@ class Block(nnx.Module):
 
 
 WHOLE_STACKS = ("experts", "shared_experts", "wkv_b")
-# with gemm_impl "fp8" the fp8 GEMM kernel reads the dense projections too (the bf16 path slices them)
+# with gemm_impl "fp8" the fp8 GEMM kernel reads the dense projections too, in place where its Triton
+# kernel runs (decode-sized steps); the bf16 path and the Mosaic kernel slice them
 FP8_GEMM_STACKS = ("wq", "wq_a", "wq_b", "wkv_a", "wo", "w1", "w2", "w3")
 
 
@@ -67,8 +70,9 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None
     `remat` recomputes each layer's activations in the backward pass instead of keeping them (training)."""
     # the weights that Pallas kernels read stay whole, the kernels indexing the layer (a slice of the
     # stack passed to a kernel is copied out first): routed and shared experts, wkv_b, and under
-    # gemm_impl "fp8" the projections; the rest is scanned over
-    names = WHOLE_STACKS + (FP8_GEMM_STACKS if ctx.options.gemm_impl == "fp8" else ())
+    # gemm_impl "fp8" the projections where the fp8 GEMM reads them in place; the rest is scanned over
+    in_place = ctx.options.gemm_impl == "fp8" and fp8_gemm_reads_stacks_in_place(x.shape[0] * x.shape[1])
+    names = WHOLE_STACKS + (FP8_GEMM_STACKS if in_place else ())
     graphdef, whole, rest = nnx.split(stack, nnx.Any(*map(nnx.PathContains, names)), ...)
     depth = jax.tree.leaves(rest)[0].shape[0]
 
