@@ -24,6 +24,12 @@ V3_TINY = dict(
                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
     rope_theta=10000.0, rms_norm_eps=1e-6,
 )
+# The cache shape and prompt length at which test files load these tiny models: a step's compiled
+# program depends on the config, the mesh, the options and the shapes of the cache and the tokens,
+# not on the weights, so files that load V3_TINY / V2_TINY as LOADED and prefill PREFILL tokens per
+# row (then decode single tokens) share their compiled steps through the session's compilation cache.
+LOADED = dict(max_batch_size=2, max_seq_len=32)
+PREFILL = 7
 V2_TINY = dict(
     vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
     first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,

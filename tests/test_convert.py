@@ -26,7 +26,7 @@ from dsv3_jax.checkpoint.load import ReferenceLayoutIndex
 from dsv3_jax.checkpoint.safetensors import SafetensorsFile, TensorIndex, save_file
 from chat_calls import python_each
 from fp8_checkpoints import quantize_block_wise
-from hf_models import hf_model, save
+from hf_models import LOADED, hf_model, save
 from kernel_checks import kernel_twins
 
 BLOCK = 128
@@ -147,9 +147,11 @@ def run_main(name: str, *argv) -> None:
 
 def logits(path, n: int, **kwargs) -> np.ndarray:
     """The loaded checkpoint's logits of TOKENS. The fp8 models' kernels run as their jnp twins
-    (the subject here is what the tools write, and both sides of each comparison compute alike)."""
+    (the subject here is what the tools write, and both sides of each comparison compute alike).
+    Loaded as tests/test_model.py loads V3_TINY and V2_TINY (hf_models.LOADED), whose compiled steps
+    for a prefill of TOKENS' shape the session's compilation cache then serves."""
     with kernel_twins():
-        model = dsv3_jax.load(path, compute_dtype="float32", num_devices=n, max_seq_len=64, **kwargs)
+        model = dsv3_jax.load(path, compute_dtype="float32", num_devices=n, **LOADED, **kwargs)
         return np.asarray(model.forward(TOKENS))
 
 
@@ -343,14 +345,14 @@ def test_orbax_layout_and_mtp(bf16_source, orbax_bf16):
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_orbax_restores_like_hf(orbax_bf16, hf_logits, n):
-    model = dsv3_jax.load(orbax_bf16, compute_dtype="float32", num_devices=n, max_seq_len=64)
+    model = dsv3_jax.load(orbax_bf16, compute_dtype="float32", num_devices=n, **LOADED)  # as logits()
     experts = model.state["moe_layers"]["ffn"]["experts"]["w1"]["weight"].get_value()
     assert {s.data.shape for s in experts.addressable_shards} == {(3, 8 // n, 32, 64)}
     np.testing.assert_array_equal(np.asarray(model.forward(TOKENS)), hf_logits[n])
 
 
 def test_orbax_restores_into_a_batch_split_layout(orbax_bf16, hf_logits):
-    model = dsv3_jax.load(orbax_bf16, compute_dtype="float32", num_devices=4, max_seq_len=64, layout="dp-attn")
+    model = dsv3_jax.load(orbax_bf16, compute_dtype="float32", num_devices=4, layout="dp-attn", **LOADED)
     np.testing.assert_allclose(np.asarray(model.forward(TOKENS)), hf_logits[1], rtol=0, atol=2e-5)
 
 

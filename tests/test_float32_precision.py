@@ -9,6 +9,7 @@ import pytest
 import dsv3_jax
 from dsv3_jax.options import RunOptions
 from dsv3_jax.sharding import make_mesh
+from zero_models import zero_model
 
 REL_TOL = 1e-5
 
@@ -26,7 +27,7 @@ def test_lowered_step_dots_carry_the_precision(dtype, highest):
                               n_heads=2, n_routed_experts=4, n_shared_experts=1, n_activated_experts=2,
                               q_lora_rank=0, kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=16,
                               v_head_dim=16, max_batch_size=1, max_seq_len=16)
-    model = dsv3_jax.build(args, compute_dtype=dtype)
+    model = zero_model(args, compute_dtype=dtype)  # the lowered step depends on the weights' shapes only
     zeros = np.zeros((1,), np.int32)
     text = model.step.lower(model.state, model.cache, np.zeros((1, 4), np.int32), zeros, zeros, kv_len=16).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line or "ragged_dot" in line]
@@ -43,17 +44,18 @@ def test_float32_logits_match_a_float64_oracle(tmp_path, backend):
     import jax
 
     torch = pytest.importorskip("torch")  # the oracle's test-only packages, imported here: the module's
-    from hf_models import hf_model, hf_step_logits, save  # other tests (and collection) need neither
+    from hf_models import LOADED, PREFILL, hf_model, hf_step_logits, save  # other tests (and collection) need neither
 
     hf = hf_model("v3", seed=3)
     directory = save(hf, tmp_path / "v3")
     tokens = np.random.default_rng(0).integers(0, 512, size=(2, 12))
     hf.set_experts_implementation("eager")  # the grouped_mm path has no float64
-    expected = hf_step_logits(hf.to(torch.float64), tokens, 8, 4)  # float64 all through, rounded at the end
+    steps = tokens.shape[1] - PREFILL
+    expected = hf_step_logits(hf.to(torch.float64), tokens, PREFILL, steps)  # float64 all through, rounded at the end
     mesh = make_mesh(1, jax.devices(backend))
-    model = dsv3_jax.load(directory, mesh=mesh, compute_dtype="float32", max_batch_size=2, max_seq_len=16)
-    got = [np.asarray(model.forward(tokens[:, :8], 0))]
-    got += [np.asarray(model.forward(tokens[:, 8 + i: 9 + i], 8 + i)) for i in range(4)]
+    model = dsv3_jax.load(directory, mesh=mesh, compute_dtype="float32", **LOADED)  # hf_models.LOADED: shared steps
+    got = [np.asarray(model.forward(tokens[:, :PREFILL], 0))]
+    got += [np.asarray(model.forward(tokens[:, PREFILL + i: PREFILL + i + 1], PREFILL + i)) for i in range(steps)]
     scale = max(float(np.abs(e).max()) for e in expected)
     error = max(float(np.abs(g - e).max()) for g, e in zip(got, expected)) / scale
     print(f"{backend}: max |float32 - float64| / max |logit| = {error:.2e}")

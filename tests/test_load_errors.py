@@ -12,7 +12,11 @@ import jax
 import dsv3_jax
 from dsv3_jax.checkpoint.safetensors import SafetensorsFile, save_file
 from dsv3_jax.errors import CheckpointError
-from hf_models import hf_model, save
+from hf_models import LOADED, PREFILL, hf_model, save
+
+# a prefill of the shape tests/test_model.py runs on a model of this config and cache shape
+# (hf_models.LOADED): the session's compilation cache serves its compiled step
+TOKENS = np.random.default_rng(7).integers(0, 512, size=(LOADED["max_batch_size"], PREFILL))
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +41,8 @@ def _rewrite(directory, edit):
 
 
 def _logits(directory, **kwargs):
-    model = dsv3_jax.load(directory, compute_dtype="float32", max_batch_size=1, max_seq_len=16, **kwargs)
-    return np.asarray(model.forward(np.arange(5)[None], 0))
+    model = dsv3_jax.load(directory, compute_dtype="float32", **LOADED, **kwargs)
+    return np.asarray(model.forward(TOKENS, 0))
 
 
 def test_sharded_with_and_without_index_and_bf16(tiny, tmp_path):
@@ -154,10 +158,10 @@ def test_explicit_mesh(tiny):
     import jax
 
     mesh = make_mesh(devices=jax.devices()[2:4])
-    model = dsv3_jax.load(tiny[1], compute_dtype="float32", mesh=mesh, max_batch_size=1, max_seq_len=16)
+    model = dsv3_jax.load(tiny[1], compute_dtype="float32", mesh=mesh, **LOADED)
     assert model.mesh is mesh and {d.id for d in model.state["head"]["weight"][...].sharding.device_set} == {
         d.id for d in jax.devices()[2:4]}
-    np.testing.assert_allclose(np.asarray(model.forward(np.arange(5)[None], 0)), _logits(tiny[1]), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(model.forward(TOKENS, 0)), _logits(tiny[1]), atol=2e-5)
 
 
 def test_auto_num_devices_takes_the_most_the_dimensions_divide_into(configs_dir):

@@ -6,14 +6,14 @@ import pytest
 
 import dsv3_jax
 from dsv3_jax.model.cache import allocate_cache
-from hf_models import hf_model, hf_step_logits, save
+from hf_models import LOADED, PREFILL, hf_model, hf_step_logits, save
 from zero_models import zero_model
 
-PREFILL, STEPS, TOL = 7, 8, 1e-4
-# every loaded model has this one cache shape, so tests that run the same token shapes on a
-# checkpoint under the same options run one compiled step (and the cache is still bigger than
-# some calls' batch: test_per_row_start_positions runs single rows)
-MAX_BATCH, MAX_SEQ = 2, 32
+STEPS, TOL = 8, 1e-4
+# every loaded model has this one cache shape (hf_models.LOADED), so tests that run the same token
+# shapes on a checkpoint under the same options run one compiled step (and the cache is still bigger
+# than some calls' batch: test_per_row_start_positions runs single rows)
+MAX_BATCH, MAX_SEQ = LOADED["max_batch_size"], LOADED["max_seq_len"]
 
 FAMILIES = {
     # sigmoid, groups + correction bias, q_lora > 0, YaRN on

@@ -31,11 +31,14 @@ def test_building_again_reuses_the_program_but_not_the_weights():
 def test_loading_again_shares_the_steps_and_keeps_its_own_cache():
     """Would catch steps rebuilt per model (every program traced again) or shared state between models:
     the second model's generation runs on its own cache and gives the first one's tokens."""
-    first, second = (dsv3_jax.load(TINY, compute_dtype="float32", max_batch_size=2, max_seq_len=32) for _ in range(2))
+    # loaded, and prompted (3 rows in the 16-token bucket), as tests/test_decode_graph.py and
+    # tests/test_generate.py load and prompt the tiny model: the session's compilation cache serves
+    # the programs of their generate calls
+    first, second = (dsv3_jax.load(TINY, compute_dtype="float32", max_batch_size=3, max_seq_len=64) for _ in range(2))
     assert first.step is second.step and first.decode_step is second.decode_step
     assert first.cache["kv"] is not second.cache["kv"]
-    prompts = [[0, 5, 6, 7], [0, 9]]
+    prompts = [[0, 5, 6, 7], [0, 9], [0, 2, 15, 16, 17]]
     expected = first.generate(prompts, 6, eos_id=-1, temperature=0.0)
     assert second.generate(prompts, 6, eos_id=-1, temperature=0.0) == expected
-    other = dsv3_jax.load(TINY, compute_dtype="float32", max_batch_size=2, max_seq_len=32, attn_impl="naive")
+    other = dsv3_jax.load(TINY, compute_dtype="float32", max_batch_size=3, max_seq_len=64, attn_impl="naive")
     assert other.step is not first.step  # other options: other programs
