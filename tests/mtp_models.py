@@ -3,7 +3,8 @@ distribution of the first three tokens it samples.
 
 One config, seed and dtype for all of them, so that the random initialisation (a compiled program
 that does not depend on max_batch_size or max_seq_len) compiles once for the session; the sampling
-tests also share the sizes (SAMPLING_ROWS, SAMPLING_SEQ), so their steps compile once too."""
+tests also share the sizes (SAMPLING_ROWS, SAMPLING_SEQ), and the greedy ones theirs (SPEC_SIZES,
+SPEC_PROMPT_LENGTHS), so their steps compile once too."""
 import json
 from pathlib import Path
 
@@ -18,6 +19,11 @@ from sampling_oracle import filtered
 TINY_CONFIG = Path(dsv3_jax.__file__).parent / "assets" / "tiny" / "config.json"
 VOCAB = 8  # small enough for the exact joint distribution of two tokens (VOCAB ** 2 outcomes)
 SAMPLING_ROWS, SAMPLING_SEQ = 64, 64  # the sampling tests' model: max_batch_size, max_seq_len
+# The greedy speculative tests' model sizes (5 cache rows for batches of 4; max_seq_len not a power of
+# two) and the prompt lengths of their first batch (bucket and window 150): the decode-graph test runs
+# its scanned side on these, so that it reuses their compiled steps.
+SPEC_SIZES = dict(max_batch_size=5, max_seq_len=150)
+SPEC_PROMPT_LENGTHS = (105, 111, 129, 107)
 
 
 def tiny_mtp_args() -> ModelArgs:

@@ -12,6 +12,7 @@ import pytest
 import dsv3_jax
 from dsv3_jax.decode.generate import decode, prefill, read_out
 from dsv3_jax.decode.step import COMMAND_BUFFERS, decode_graphs
+from mtp_models import SPEC_PROMPT_LENGTHS, SPEC_SIZES, VOCAB, build_tiny_mtp
 
 TINY = Path(dsv3_jax.__file__).parent / "assets" / "tiny"
 PROMPTS = [[0, 2, 11, 12, 13], [0, 2, 14], [0, 2, 15, 16, 17, 18, 19]]
@@ -27,8 +28,11 @@ def pair():
 
 
 def greedy_by_forward(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """Greedy continuation through `Model.forward` (prefill-shaped steps, host argmax)."""
-    logits, out = model.forward(np.array([prompt])), []
+    """Greedy continuation through `Model.forward`, one token a step (the prompt too: every step is the
+    one-token forward program, whatever the prompt's length), host argmax."""
+    for position, token in enumerate(prompt):
+        logits = model.forward(np.array([[token]]), start_pos=position)
+    out = []
     for index in range(new_tokens):
         out.append(int(np.argmax(np.asarray(logits)[0])))
         logits = model.forward(np.array([[out[-1]]]), start_pos=len(prompt) + index)
@@ -81,13 +85,15 @@ def test_graph_decode_on_a_gpu():
 
 
 def test_speculative_step_as_a_graph_gives_the_same_tokens():
-    """The MTP speculative step under decode graphs (the demo model, which has an MTP module): unrolled,
-    compiled with the command-buffer options, and emitting what the scanned speculative step emits."""
-    demo = Path(dsv3_jax.__file__).parent / "assets" / "demo"
-    scanned = dsv3_jax.load(demo, compute_dtype="float32", max_batch_size=2, max_seq_len=64, mtp=True)
+    """The MTP speculative step under decode graphs: unrolled, compiled with the command-buffer options,
+    and emitting what the scanned speculative step emits. The random MTP model of the speculative
+    greedy tests, with their sizes and prompt lengths, so that the scanned side runs their compiled
+    programs (from the session's compilation cache)."""
+    scanned = build_tiny_mtp(**SPEC_SIZES)
     graphs = dsv3_jax.Model(scanned.args, scanned.graphdef, scanned.state, scanned.mesh,
                             dsv3_jax.RunOptions.make(scanned.options, decode_graph="on"))
-    prompts = [[0, 30, 31, 32, 33], [0, 40, 41]]
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in SPEC_PROMPT_LENGTHS]
     for temperature in (0.0, 1.0):
         expected = scanned.generate(prompts, 10, eos_id=-1, temperature=temperature, seed=3, mtp=True)
         assert graphs.generate(prompts, 10, eos_id=-1, temperature=temperature, seed=3, mtp=True) == expected

@@ -24,7 +24,8 @@ from dsv3_jax.model.rope import inverse_frequencies, rotary_angles
 from dsv3_jax.options import StepContext
 from dsv3_jax.sharding import make_mesh
 from hf_models import V3_TINY, hf_model, save
-from mtp_models import SAMPLING_ROWS, SAMPLING_SEQ, VOCAB, build_tiny_mtp, three_token_distribution
+from mtp_models import (SAMPLING_ROWS, SAMPLING_SEQ, SPEC_PROMPT_LENGTHS, SPEC_SIZES, VOCAB, build_tiny_mtp,
+                        three_token_distribution)
 
 
 # ------------------------------------------------------------------ the module against HF, loaded from HF
@@ -269,7 +270,7 @@ def same_weights(model, num_devices: int = 1, **sizes):
 
 @pytest.fixture(scope="module")
 def spec_model_1dev():
-    return build_tiny_mtp(max_batch_size=5, max_seq_len=150)
+    return build_tiny_mtp(**SPEC_SIZES)
 
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["1dev", "4dev"])
@@ -286,7 +287,7 @@ def test_greedy_output_is_identical_with_mtp(spec_model):
     each function compiles once, not once per case (the chunked-prefill test's one-step side reuses them)."""
     rng = np.random.default_rng(0)
     total = dict(drafts=0, accepted=0)
-    cases = [([105, 111, 129, 107], 21, -1),  # unequal prompts, whole budgets (total_len 150)
+    cases = [(list(SPEC_PROMPT_LENGTHS), 21, -1),  # unequal prompts, whole budgets (total_len 150)
              ([142, 130, 146, 132], 20, -1),  # budgets cut by max_seq_len = 150: 8, 20, 4, 18 (and 2-token steps at the end)
              ([122, 113, 109, 149], 30, 5)]  # eos; the last prompt one short of max_seq_len (a budget of 1)
     for lengths, new, eos in cases:
