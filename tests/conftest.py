@@ -58,20 +58,12 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected
 def pytest_collection_modifyitems(config, items):
     _keep_shard(config, items)
-    _largest_files_first(items)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a GPU (run on the device with `pytest -m gpu` or `-m gpu_slow`)")
     for item in items:
         if "gpu" in item.keywords or "gpu_slow" in item.keywords:
             item.add_marker(skip)
-
-
-def _largest_files_first(items):
-    """Test files in order of size, largest first, each file's tests in their own order: xdist's
-    --dist loadfile hands the files out in this order, and the big (slow) files first leave small ones
-    to even out the workers' last minutes."""
-    items.sort(key=lambda item: -item.path.stat().st_size)
 
 
 def _keep_shard(config, items):
