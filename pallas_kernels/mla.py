@@ -10,13 +10,15 @@ a single row still keeps many SMs streaming; a small XLA step merges the splits 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import cdiv, fail, interpret_in_shard_map, match_vma, num_sms, result, use_interpret, vma_union
+from ._common import BLOCK, FP8, cdiv, fail, interpret_in_shard_map, match_vma, num_sms, result, use_interpret, vma_union
+from .reference import weight_dequant_ref
 
 _FN = "mla_decode"
 _NEG = -1e30  # finite "minus infinity": an empty split must not produce inf - inf
@@ -167,8 +169,21 @@ def _kernel(meta_ref, q_ref, qpe_ref, kv_ref, pe_ref, acc_ref, m_ref, l_ref, *, 
 _QUERY, _OUTPUT = "mla_absorb_query", "mla_decode_output"
 
 
-def _wkv_b_stack(fn: str, wkv_b, layer, heads: int, nope: int, rank: int):
-    """wkv_b (H (D + V), C) or a stack (L, H (D + V), C) with `layer`, as a stack and its layer (1,) int32."""
+class _WkvB(NamedTuple):
+    """wkv_b as the absorption kernels read it: a stack (L, H (D + V), C), its fp8 block scales
+    (L, H (D + V) / 128, C / 128) or None, and the layer to read ((1,) int32)."""
+    stack: jax.Array
+    scale: jax.Array | None
+    layer: jax.Array
+
+    @property
+    def operands(self) -> tuple:
+        return (self.layer, self.stack) if self.scale is None else (self.layer, self.stack, self.scale)
+
+
+def _wkv_b_stack(fn: str, wkv_b, layer, scale, heads: int, nope: int, rank: int, dtype) -> _WkvB:
+    """wkv_b (H (D + V), C) or a stack (L, H (D + V), C) with `layer`: in `dtype`, or float8_e4m3fn with
+    `scale`, its 128x128 block scales (one block never spans two heads' key or value halves)."""
     if (wkv_b.ndim == 3) != (layer is not None) or wkv_b.ndim not in (2, 3):
         fail(fn, f"wkv_b has shape {tuple(wkv_b.shape)}: a stack (L, H * (D + V), C) goes with `layer`, "
                  "(H * (D + V), C) without")
@@ -177,18 +192,39 @@ def _wkv_b_stack(fn: str, wkv_b, layer, heads: int, nope: int, rank: int):
     if stack.shape[1] % heads or per_head <= nope or stack.shape[2] != rank:
         fail(fn, f"wkv_b has shape {tuple(wkv_b.shape)}, expected H * (D + V) rows for H={heads} heads of D={nope} "
                  f"key dims plus value dims, and C={rank} columns")
-    return stack, jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    if scale is None and stack.dtype != dtype:
+        fail(fn, f"wkv_b has dtype {stack.dtype}, expected {jnp.dtype(dtype).name} (or float8_e4m3fn with its scale)")
+    if scale is not None:
+        scale = scale if scale.ndim == 3 else scale[None]
+        want = (stack.shape[0], cdiv(stack.shape[1], BLOCK), cdiv(rank, BLOCK))
+        if stack.dtype != FP8 or scale.dtype != jnp.float32 or tuple(scale.shape) != want:
+            fail(fn, f"an fp8 wkv_b needs float8_e4m3fn weights and float32 block scales of shape {want}; got "
+                     f"{stack.dtype} {tuple(wkv_b.shape)} and {scale.dtype} {tuple(scale.shape)}")
+        if per_head % BLOCK or nope % BLOCK or rank % BLOCK:
+            fail(fn, f"an fp8 wkv_b needs D={nope}, D + V={per_head} and C={rank} multiples of {BLOCK} "
+                     "(each scale block within one head's key or value half)")
+    return _WkvB(stack, scale, jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1))
 
 
-def _wkv_b_layer(wkv_b, layer, heads: int) -> jax.Array:
-    """float32 (H, D + V, C): one layer of wkv_b, per head."""
-    w = wkv_b if layer is None else jax.lax.dynamic_index_in_dim(wkv_b, layer, 0, keepdims=False)
+def _wkv_b_layer(wkv_b, layer, heads: int, scale=None, dtype=None) -> jax.Array:
+    """float32 (H, D + V, C): one layer of wkv_b, per head (an fp8 one dequantized to `dtype` first,
+    as `weight_dequant` rounds it)."""
+    pick = (lambda x: x) if layer is None else (lambda x: jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False))
+    w = pick(wkv_b)
+    if scale is not None:
+        w = weight_dequant_ref(w, pick(scale), BLOCK, dtype)
     return w.astype(jnp.float32).reshape(heads, -1, w.shape[-1])
 
 
-def _check_block(fn: str, name: str, value: int):
-    if value < 16 or value & (value - 1):
-        fail(fn, f"{name}={value} must be a power of two >= 16 (a Triton dot's side)")
+def _dequantized(w, s, dtype):
+    """An fp8 weight tile times its scale (a scalar, or one value per column) in float32, rounded to `dtype`."""
+    return (w.astype(jnp.float32) * s).astype(dtype)
+
+
+def _check_block(fn: str, name: str, value: int, most: int | None = None):
+    if value < 16 or value & (value - 1) or (most is not None and value > most):
+        fail(fn, f"{name}={value} must be a power of two >= 16 (a Triton dot's side)"
+                 + (f" and <= {most} with an fp8 wkv_b" if most is not None else ""))
 
 
 def _batch_block(batch: int) -> int:
@@ -196,40 +232,43 @@ def _batch_block(batch: int) -> int:
     return max(16, min(64, 1 << max(0, (batch - 1).bit_length())))
 
 
-def mla_absorb_query_ref(q_nope, wkv_b, layer=None):
+def mla_absorb_query_ref(q_nope, wkv_b, layer=None, *, wkv_b_scale=None):
     """Plain-XLA twin of `mla_absorb_query`."""
     heads, nope = q_nope.shape[1:]
-    w_k = _wkv_b_layer(wkv_b, layer, heads)[:, :nope]
+    w_k = _wkv_b_layer(wkv_b, layer, heads, wkv_b_scale, q_nope.dtype)[:, :nope]
     return jnp.einsum("bhd,hdc->bhc", q_nope.astype(jnp.float32), w_k).astype(q_nope.dtype)
 
 
-def mla_absorb_query(q_nope, wkv_b, layer=None, *, block_c: int = 128, num_warps: int = 4) -> jax.Array:
+def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, block_c: int = 128,
+                     num_warps: int = 4) -> jax.Array:
     """The decode query in latent space: q_latent[b, h] = q_nope[b, h] @ W[h, :D], in q_nope's dtype
     (float32 accumulation), where W = wkv_b viewed as (H, D + V, C): its key half absorbed into the query.
 
     q_nope: (B, H, D), D a power of two >= 16; wkv_b: (H (D + V), C) in q_nope's dtype, or a stack of
-    layers (L, H (D + V), C) with `layer` (int32 scalar), read in place. One program per (head, C block,
-    batch block).
+    layers (L, H (D + V), C) with `layer` (int32 scalar), read in place. An fp8 wkv_b comes with
+    `wkv_b_scale`, its block scales ((L,) H (D + V) / 128, C / 128): each tile is dequantized to
+    q_nope's dtype as it is loaded, as `weight_dequant` would. One program per (head, C block, batch block).
     """
     batch, heads, nope = q_nope.shape
     rank = wkv_b.shape[-1]
-    stack, layer_index = _wkv_b_stack(_QUERY, wkv_b, layer, heads, nope, rank)
+    w = _wkv_b_stack(_QUERY, wkv_b, layer, wkv_b_scale, heads, nope, rank, q_nope.dtype)
     _check_block(_QUERY, "D", nope)
-    _check_block(_QUERY, "block_c", block_c)
-    if stack.dtype != q_nope.dtype:
-        fail(_QUERY, f"wkv_b has dtype {stack.dtype}, expected q_nope's {q_nope.dtype}")
+    _check_block(_QUERY, "block_c", block_c, None if w.scale is None else BLOCK)
     interpret = use_interpret()
     if batch == 0 or interpret_in_shard_map(interpret, q_nope, wkv_b):
-        return mla_absorb_query_ref(q_nope, wkv_b, layer)
+        return mla_absorb_query_ref(q_nope, wkv_b, layer, wkv_b_scale=wkv_b_scale)
     block_b = _batch_block(batch)
-    kernel = functools.partial(_query_kernel, batch=batch, nope=nope, per_head=stack.shape[1] // heads, rank=rank,
-                               block_b=block_b, block_c=block_c)
+    kernel = functools.partial(_query_kernel, batch=batch, nope=nope, per_head=w.stack.shape[1] // heads, rank=rank,
+                               block_b=block_b, block_c=block_c, fp8=w.scale is not None)
     return _per_head_launch(_QUERY, kernel, (batch, heads, rank), q_nope.dtype,
-                            (cdiv(rank, block_c), cdiv(batch, block_b)), num_warps, interpret, layer_index, q_nope, stack)
+                            (cdiv(rank, block_c), cdiv(batch, block_b)), num_warps, interpret,
+                            w.layer, q_nope, *w.operands[1:])
 
 
-def _per_head_launch(name: str, kernel, shape, dtype, blocks: tuple, num_warps: int, interpret: bool, *operands):
-    """One pallas_call over a (head, *blocks) grid of `kernel` on `operands`, its output `shape` in `dtype`."""
+def _per_head_launch(name: str, kernel, shape, dtype, blocks: tuple, num_warps: int, interpret: bool, layer,
+                     *operands):
+    """One pallas_call over a (head, *blocks) grid of `kernel` on `layer` and `operands`, its output `shape`
+    in `dtype`."""
     vma = vma_union(*operands)
     return pl.pallas_call(
         kernel,
@@ -238,22 +277,30 @@ def _per_head_launch(name: str, kernel, shape, dtype, blocks: tuple, num_warps: 
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=name,
-    )(*match_vma(vma, *operands))
+    )(*match_vma(vma, layer, *operands))
 
 
-def _query_kernel(layer_ref, q_ref, w_ref, o_ref, *, batch, nope, per_head, rank, block_b, block_c):
+def _query_kernel(layer_ref, q_ref, w_ref, *refs, batch, nope, per_head, rank, block_b, block_c, fp8):
+    """An fp8 wkv_b's key half is read in chunks of 128 rows, one scale each (block_c <= 128: one column)."""
+    s_ref, o_ref = refs if fp8 else (None, *refs)
     h, cb, bb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
     row_ok = bb * block_b + jnp.arange(block_b) < batch
     col_ok = cb * block_c + jnp.arange(block_c) < rank
     bs, cs = pl.ds(bb * block_b, block_b), pl.ds(cb * block_c, block_c)
-    q = plgpu.load(q_ref.at[bs, h, :], mask=row_ok[:, None], other=0)
-    w = plgpu.load(w_ref.at[layer_ref[0], pl.ds(h * per_head, nope), cs], mask=col_ok[None, :], other=0)
-    acc = jax.lax.dot(q, w, preferred_element_type=jnp.float32)
+    chunk = BLOCK if fp8 else nope
+    acc = jnp.zeros((block_b, block_c), jnp.float32)
+    for c in range(nope // chunk):
+        q = plgpu.load(q_ref.at[bs, h, pl.ds(c * chunk, chunk)], mask=row_ok[:, None], other=0)
+        w = plgpu.load(w_ref.at[layer, pl.ds(h * per_head + c * chunk, chunk), cs], mask=col_ok[None, :], other=0)
+        if fp8:
+            w = _dequantized(w, s_ref[layer, (h * per_head) // BLOCK + c, (cb * block_c) // BLOCK], q.dtype)
+        acc += jax.lax.dot(q, w, preferred_element_type=jnp.float32)
     plgpu.store(o_ref.at[bs, h, cs], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=None, *, scale: float,
-                          v_dim: int):
+                          v_dim: int, wkv_b_scale=None):
     """Plain-XLA twin of `mla_decode_output`."""
     f32 = jnp.float32
     own = (jnp.einsum("bhc,bc->bh", q_latent.astype(f32), new_kv.astype(f32))
@@ -263,44 +310,46 @@ def mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, laye
     total = (l * weight).sum(axis=1) + own_weight
     latent = ((acc * weight[..., None]).sum(axis=1) + own_weight[..., None] * new_kv.astype(f32)[:, None, :])
     latent = (latent / total[..., None]).astype(q_latent.dtype)
-    w_v = _wkv_b_layer(wkv_b, layer, q_latent.shape[1])[:, -v_dim:]
+    w_v = _wkv_b_layer(wkv_b, layer, q_latent.shape[1], wkv_b_scale, q_latent.dtype)[:, -v_dim:]
     return jnp.einsum("bhc,hdc->bhd", latent.astype(f32), w_v).astype(q_latent.dtype)
 
 
 def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=None, *, scale: float, v_dim: int,
-                      block_v: int = 32, num_warps: int = 4) -> jax.Array:
+                      wkv_b_scale=None, block_v: int = 32, num_warps: int = 4) -> jax.Array:
     """The end of the absorbed decode attention in one launch: `mla_decode_splits`' partial softmaxes
     (acc, m, l) merged with the new entry's (scored from q_latent, q_pe, new_kv, new_pe as `mla_decode`
     does), the latent output rounded to q_latent's dtype and projected through wkv_b's value half:
     out[b, h] = latent[b, h] @ W[h, D:]^T, (B, H, V) in q_latent's dtype, W = wkv_b viewed as (H, D + V, C).
 
-    wkv_b: (H (D + V), C) in q_latent's dtype, or a stack (L, H (D + V), C) with `layer`, read in place.
+    wkv_b: (H (D + V), C) in q_latent's dtype, or a stack (L, H (D + V), C) with `layer`, read in place;
+    an fp8 one with `wkv_b_scale`, dequantized tile by tile (as in `mla_absorb_query`).
     One program per (head, V block, batch block); each merges its rows' splits itself.
     """
     batch, splits, heads, rank = acc.shape
-    stack, layer_index = _wkv_b_stack(_OUTPUT, wkv_b, layer, heads, wkv_b.shape[-2] // heads - v_dim, rank)
-    _check_block(_OUTPUT, "block_v", block_v)
-    if stack.dtype != q_latent.dtype or q_latent.shape != (batch, heads, rank) or m.shape != (batch, splits, heads):
+    w = _wkv_b_stack(_OUTPUT, wkv_b, layer, wkv_b_scale, heads, wkv_b.shape[-2] // heads - v_dim, rank,
+                     q_latent.dtype)
+    _check_block(_OUTPUT, "block_v", block_v, None if w.scale is None else BLOCK)
+    if q_latent.shape != (batch, heads, rank) or m.shape != (batch, splits, heads):
         fail(_OUTPUT, f"acc {acc.shape}, m {m.shape}, q_latent {q_latent.shape} {q_latent.dtype} and wkv_b "
-                      f"{stack.dtype} do not match")
+                      f"{w.stack.dtype} do not match")
     interpret = use_interpret()
     if batch == 0 or interpret_in_shard_map(interpret, acc, q_latent, wkv_b):
-        return mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer, scale=scale, v_dim=v_dim)
+        return mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer, scale=scale,
+                                     v_dim=v_dim, wkv_b_scale=wkv_b_scale)
     block_b = _batch_block(batch)
-    per_head = stack.shape[1] // heads
+    per_head = w.stack.shape[1] // heads
     kernel = functools.partial(_output_kernel, batch=batch, splits=splits, value_row=per_head - v_dim,
                                per_head=per_head, v_dim=v_dim, scale=scale, block_b=block_b, block_v=block_v,
-                               splits_padded=1 << max(0, (splits - 1).bit_length()))
+                               splits_padded=1 << max(0, (splits - 1).bit_length()), fp8=w.scale is not None)
     return _per_head_launch(_OUTPUT, kernel, (batch, heads, v_dim), q_latent.dtype,
                             (cdiv(v_dim, block_v), cdiv(batch, block_b)), num_warps, interpret,
-                            layer_index, acc, m, l, q_latent, q_pe, new_kv, new_pe, stack)
+                            w.layer, acc, m, l, q_latent, q_pe, new_kv, new_pe, *w.operands[1:])
 
 
-def _output_kernel(layer_ref, acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, w_ref, o_ref, *, batch, splits,
-                   value_row, per_head, v_dim, scale, block_b, block_v, splits_padded):
-    h, vb, bb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    row_ok = bb * block_b + jnp.arange(block_b) < batch
-    bs, f32 = pl.ds(bb * block_b, block_b), jnp.float32
+def _merged_latent(acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, *, h, bs, row_ok, splits, scale,
+                   splits_padded):
+    """float32 (block_b, C): head h's attention output in latent space, its splits merged with the new entry."""
+    f32 = jnp.float32
     new_kv = plgpu.load(kv_ref.at[bs, :], mask=row_ok[:, None], other=0).astype(f32)
     own = (jnp.sum(plgpu.load(q_ref.at[bs, h, :], mask=row_ok[:, None], other=0).astype(f32) * new_kv, axis=1)
            + jnp.sum(plgpu.load(qpe_ref.at[bs, h, :], mask=row_ok[:, None], other=0).astype(f32)
@@ -317,10 +366,29 @@ def _output_kernel(layer_ref, acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_
         return latent + plgpu.load(acc_ref.at[bs, s, h, :], mask=row_ok[:, None], other=0) * weight[:, None]
 
     latent = jax.lax.fori_loop(0, splits, add_split, own_weight[:, None] * new_kv)
-    latent = (latent / (total + own_weight)[:, None]).astype(w_ref.dtype)
+    return latent / (total + own_weight)[:, None]
+
+
+def _output_kernel(layer_ref, acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, w_ref, *refs, batch, splits,
+                   value_row, per_head, v_dim, scale, block_b, block_v, splits_padded, fp8):
+    """An fp8 wkv_b's value rows of a program lie in one row of scale blocks (block_v <= 128): one scale
+    per 128 columns, spread over the tile's columns."""
+    s_ref, o_ref = refs if fp8 else (None, *refs)
+    h, vb, bb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    row_ok = bb * block_b + jnp.arange(block_b) < batch
+    bs = pl.ds(bb * block_b, block_b)
+    latent = _merged_latent(acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, h=h, bs=bs, row_ok=row_ok,
+                            splits=splits, scale=scale, splits_padded=splits_padded).astype(q_ref.dtype)
     v_ok = vb * block_v + jnp.arange(block_v) < v_dim
-    w_v = plgpu.load(w_ref.at[layer_ref[0], pl.ds(h * per_head + value_row + vb * block_v, block_v), :],
-                     mask=v_ok[:, None], other=0)
-    out = jax.lax.dot_general(latent, w_v, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+    first_row = h * per_head + value_row + vb * block_v
+    w_v = plgpu.load(w_ref.at[layer, pl.ds(first_row, block_v), :], mask=v_ok[:, None], other=0)
+    if fp8:
+        columns, scale_row = jnp.arange(w_v.shape[1]), first_row // BLOCK
+        col_scale = jnp.zeros(w_v.shape[1:], jnp.float32)
+        for c in range(w_v.shape[1] // BLOCK):
+            col_scale = jnp.where(columns // BLOCK == c, s_ref[layer, scale_row, c], col_scale)
+        w_v = _dequantized(w_v, col_scale[None, :], q_ref.dtype)
+    out = jax.lax.dot_general(latent, w_v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     plgpu.store(o_ref.at[bs, h, pl.ds(vb * block_v, block_v)], out.astype(o_ref.dtype),
                 mask=row_ok[:, None] & v_ok[None, :])

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla import mla_absorb_query, mla_decode, mla_decode_output, mla_decode_splits
+from pallas_kernels.reference import weight_dequant_ref
 
 
 def float64_attention(q, qpe, kv, pe, layer, lengths, new_kv, new_pe, scale):
@@ -86,6 +87,52 @@ def test_absorbed_decode_in_three_launches(batch, heads, lengths, splits, dtype=
     assert np.abs(np.asarray(got, np.float64) - want).max() <= tol * np.abs(want).max()
 
 
+def fp8_wkv_b(rng, heads, per_head, rank):
+    """A 2-layer fp8 wkv_b stack and its block scales: powers of two from 1/16 to 4 times a random factor,
+    so that a tile scaled by a neighbouring block's scale is off by 2x or more."""
+    w = jnp.asarray(rng.uniform(-1.5, 1.5, (2, heads * per_head, rank)), jnp.float8_e4m3fn)
+    scale = 2.0 ** rng.integers(-4, 3, (2, heads * per_head // 128, rank // 128)) * rng.uniform(0.5, 1.0)
+    return w, jnp.asarray(scale / np.sqrt(rank), jnp.float32)
+
+
+def three_launches(q_nope, q_pe, kv, pe, new_kv, new_pe, lengths, wkv_b, wkv_b_scale, v_dim, kv_len):
+    """q_latent and the output of the absorbed decode at layer 1 of the cache and of wkv_b."""
+    q_latent = mla_absorb_query(q_nope, wkv_b, jnp.int32(1), wkv_b_scale=wkv_b_scale)
+    splits = mla_decode_splits(0.1 * q_latent, q_pe, kv, pe, jnp.int32(1), lengths, kv_len=kv_len, scale=0.3)
+    return q_latent, mla_decode_output(*splits, 0.1 * q_latent, q_pe, new_kv, new_pe, wkv_b, jnp.int32(1),
+                                       scale=0.3, v_dim=v_dim, wkv_b_scale=wkv_b_scale)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_absorbed_decode_with_fp8_wkv_b(dtype, batch=3, heads=2, nope=128, v_dim=128, rank=256, kv_len=96):
+    """An fp8 wkv_b read with its block scales, each tile dequantized in the kernels. float32: against
+    float64 on the fp8 values times their scales (a tile given another block's scale is >= 2x off). bf16:
+    the same as the kernels fed weight_dequant's bf16 stack, to a quarter of a bf16 step (a dequantization
+    rounded otherwise moves outputs by whole steps)."""
+    rng = np.random.default_rng(11)
+    lengths = [(37 * b) % (kv_len - 5) for b in range(batch)]
+    _, q_nope, kv, pe, q_pe, new_kv, new_pe = absorbed_case(rng, batch, heads, nope, v_dim, rank, 16, lengths,
+                                                            kv_len, dtype)
+    w, scale = fp8_wkv_b(rng, heads, nope + v_dim, rank)
+    lengths = jnp.array(lengths, jnp.int32)
+    operands = (q_nope, q_pe, kv, pe, new_kv, new_pe, lengths)
+    q_latent, got = three_launches(*operands, w, scale, v_dim, kv_len)
+    if dtype == jnp.float32:
+        w64 = np.asarray(w[1], np.float64) * np.repeat(np.repeat(np.asarray(scale[1], np.float64), 128, 0), 128, 1)
+        w64 = w64.reshape(heads, nope + v_dim, rank)
+        want_q = np.einsum("bhd,hdc->bhc", np.asarray(q_nope, np.float64), w64[:, :nope])
+        latent = float64_attention(0.1 * np.asarray(q_latent, np.float64), q_pe, kv, pe, 1, np.asarray(lengths),
+                                   new_kv, new_pe, 0.3)
+        want = np.einsum("bhc,hdc->bhd", latent, w64[:, nope:])
+        tol = 1e-5
+    else:
+        bf16 = jnp.stack([weight_dequant_ref(w[i], scale[i], 128, dtype) for i in range(2)])
+        want_q, want = (np.asarray(a, np.float64) for a in three_launches(*operands, bf16, None, v_dim, kv_len))
+        tol = 2.0 ** -10
+    assert np.abs(np.asarray(q_latent, np.float64) - want_q).max() <= tol * np.abs(want_q).max()
+    assert got.dtype == dtype and np.abs(np.asarray(got, np.float64) - want).max() <= tol * np.abs(want).max()
+
+
 def test_absorption_takes_one_layer_unstacked():
     """An unstacked wkv_b (one layer, as an fp8 layer's dequantized weight) gives the stack's layer."""
     rng = np.random.default_rng(5)
@@ -130,3 +177,11 @@ def test_absorbed_decode_compiled_on_gpu(batch, lengths):
 @pytest.mark.parametrize("heads, lengths", [(16, [0, 300, 1000, 1023]), (128, [511]), (8, [3, 700])])
 def test_mla_decode_compiled_on_gpu(heads, lengths):
     check(heads, 512, 64, lengths, kv_len=1024, splits=None, block_t=64, dtype=jnp.bfloat16, tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+def test_absorbed_decode_with_fp8_wkv_b_on_gpu(batch):
+    """V3's head shape (D = V = 128, C = 512) with an fp8 wkv_b, bf16, compiled: the same as the kernels
+    fed weight_dequant's bf16 stack."""
+    test_absorbed_decode_with_fp8_wkv_b(jnp.bfloat16, batch=batch, heads=16, rank=512)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import flash_attention, mla_decode
+from pallas_kernels import FP8_BLOCK, flash_attention, mla_decode
 from pallas_kernels.mla import mla_absorb_query, mla_decode_output, mla_decode_splits
 
 from ..config import ModelArgs
@@ -183,20 +183,27 @@ class MLA(nnx.Module):
         return (self.nope_dim >= 16 and not self.nope_dim & (self.nope_dim - 1)
                 and (self.wkv_b.scale is not None or self.wkv_b.weight.dtype == dtype))
 
+    def _fp8_blocks_align(self) -> bool:
+        """Whether an fp8 wkv_b's 128x128 scale blocks each lie within one head's key or value half, so
+        that the absorption kernels dequantize its tiles as they load them."""
+        return not (self.nope_dim % FP8_BLOCK or self.v_dim % FP8_BLOCK or self.kv_lora_rank % FP8_BLOCK)
+
     def _decode_in_three_launches(self, q_nope, q_pe, latent, k_pe, ctx, cache, layer, stack_index):
         """Absorbed single-token attention as three kernels: the query's absorption into the latent
         space, the attention over the cache read in place (split over its positions), then the splits'
-        merge with the new entry and the output's projection through wkv_b's value half. bf16 weights
-        are read from their layer stack in place; fp8 ones are dequantized first."""
-        if self.wkv_b.scale is None:
-            wkv_b, index = self.wkv_b.weight[...], stack_index
-        else:
+        merge with the new entry and the output's projection through wkv_b's value half. The weights are
+        read from their layer stack in place, fp8 ones dequantized tile by tile in the kernels where their
+        blocks align (else dequantized first)."""
+        wkv_b, index, scale = self.wkv_b.weight[...], stack_index, None
+        if self.wkv_b.scale is not None and self._fp8_blocks_align():
+            scale = self.wkv_b.scale[...]
+        elif self.wkv_b.scale is not None:
             wkv_b, index = layer_of(self.wkv_b, stack_index).dequantized(q_nope.dtype), None
-        q_latent = mla_absorb_query(q_nope[:, 0], wkv_b, index)
+        q_latent = mla_absorb_query(q_nope[:, 0], wkv_b, index, wkv_b_scale=scale)
         splits = mla_decode_splits(q_latent, q_pe[:, 0], cache["kv"], cache["pe"], layer, ctx.positions[:, 0],
                                    kv_len=ctx.kv_len, scale=self.softmax_scale)
         out = mla_decode_output(*splits, q_latent, q_pe[:, 0], latent[:, 0], k_pe[:, 0], wkv_b, index,
-                                scale=self.softmax_scale, v_dim=self.v_dim)
+                                scale=self.softmax_scale, v_dim=self.v_dim, wkv_b_scale=scale)
         return out[:, None], dict(kv=latent, pe=k_pe)
 
 
