@@ -216,6 +216,12 @@ def _wkv_b_layer(wkv_b, layer, heads: int, scale=None, dtype=None) -> jax.Array:
     return w.astype(jnp.float32).reshape(heads, -1, w.shape[-1])
 
 
+def _load_weight(ref, mask):
+    """A wkv_b tile; rows or columns outside `mask` (None: the tile is whole) read as zeros. An fp8 wkv_b's
+    tiles are always whole (its halves are 128-multiples): Triton has no fp8 fill value for a masked load."""
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
+
+
 def _dequantized(w, s, dtype):
     """An fp8 weight tile times its scale (a scalar, or one value per column) in float32, rounded to `dtype`."""
     return (w.astype(jnp.float32) * s).astype(dtype)
@@ -292,7 +298,8 @@ def _query_kernel(layer_ref, q_ref, w_ref, *refs, batch, nope, per_head, rank, b
     acc = jnp.zeros((block_b, block_c), jnp.float32)
     for c in range(nope // chunk):
         q = plgpu.load(q_ref.at[bs, h, pl.ds(c * chunk, chunk)], mask=row_ok[:, None], other=0)
-        w = plgpu.load(w_ref.at[layer, pl.ds(h * per_head + c * chunk, chunk), cs], mask=col_ok[None, :], other=0)
+        w = _load_weight(w_ref.at[layer, pl.ds(h * per_head + c * chunk, chunk), cs],
+                         None if rank % block_c == 0 else col_ok[None, :])
         if fp8:
             w = _dequantized(w, s_ref[layer, (h * per_head) // BLOCK + c, (cb * block_c) // BLOCK], q.dtype)
         acc += jax.lax.dot(q, w, preferred_element_type=jnp.float32)
@@ -382,7 +389,7 @@ def _output_kernel(layer_ref, acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_
                             splits=splits, scale=scale, splits_padded=splits_padded).astype(q_ref.dtype)
     v_ok = vb * block_v + jnp.arange(block_v) < v_dim
     first_row = h * per_head + value_row + vb * block_v
-    w_v = plgpu.load(w_ref.at[layer, pl.ds(first_row, block_v), :], mask=v_ok[:, None], other=0)
+    w_v = _load_weight(w_ref.at[layer, pl.ds(first_row, block_v), :], None if v_dim % block_v == 0 else v_ok[:, None])
     if fp8:
         columns, scale_row = jnp.arange(w_v.shape[1]), first_row // BLOCK
         col_scale = jnp.zeros(w_v.shape[1:], jnp.float32)
