@@ -44,7 +44,7 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
                  row_scale: jax.Array | None = None, out_dtype=jnp.float32, block_m: int = 16, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 3, backend: str = "auto",
                  mosaic_tiles: MosaicTiles | None = None, shared_w: jax.Array | None = None,
-                 shared_w_scale: jax.Array | None = None) -> jax.Array:
+                 shared_w_scale: jax.Array | None = None, x_scale: jax.Array | None = None) -> jax.Array:
     """Rows of x (M, K), sorted by group, times their group's w (G, N, K) transposed -> (M, N).
 
     The groups of the rows come either as `group_sizes` (rows sorted by group) or as `row_groups`
@@ -78,18 +78,21 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
         [s K, (s + 1) K): the down projection of shared experts stored as one MLP (see
         `grouped_gemm_swiglu`'s shared_w1), run as experts every token selects, in the same launch.
         With `layer`, a stack (L, N, S * K) of which the kernel reads the same layer as of w.
+      x_scale: with x float8_e4m3fn and an fp8 w, x's float32 (M, K/128) scales (`act_quant`'s pair):
+        the products run on the fp8 tensor cores and each K block's partial sum is scaled by
+        x_scale * w_scale, fp8_gemm's math (the reference's fp8 GEMM path). Triton kernel only.
     """
     groups = _groups(_FN, group_sizes, row_groups)
     if shared_w is not None:
         return _grouped(_FN, x, (w,), (w_scale,), groups, layer, row_scale, False, out_dtype, block_m, block_n,
-                        num_warps, num_stages, shared=_Shared("k", (shared_w,), (shared_w_scale,)))
+                        num_warps, num_stages, shared=_Shared("k", (shared_w,), (shared_w_scale,)), x_scale=x_scale)
     tiles = MosaicTiles() if mosaic_tiles is None else mosaic_tiles
     if grouped_gemm_backend(x, w, w_scale, out_dtype=out_dtype, backend=backend, mosaic_tiles=tiles,
-                            row_groups=row_groups) == "mosaic":
+                            row_groups=row_groups, x_scale=x_scale) == "mosaic":
         return grouped_gemm_mgpu(x, w, group_sizes, w_scale, layer=layer, row_scale=row_scale, out_dtype=out_dtype,
                                  tiles=tiles)
     return _grouped(_FN, x, (w,), (w_scale,), groups, layer, row_scale, False, out_dtype,
-                    block_m, block_n, num_warps, num_stages)
+                    block_m, block_n, num_warps, num_stages, x_scale=x_scale)
 
 
 BACKENDS = ("auto", "triton", "mosaic")
@@ -97,7 +100,7 @@ BACKENDS = ("auto", "triton", "mosaic")
 
 def grouped_gemm_backend(x: jax.Array, w: jax.Array, w_scale: jax.Array | None = None, *, out_dtype=jnp.float32,
                          backend: str = "auto", mosaic_tiles: MosaicTiles | None = None,
-                         row_groups: jax.Array | None = None) -> str:
+                         row_groups: jax.Array | None = None, x_scale: jax.Array | None = None) -> str:
     """"mosaic" or "triton": the kernel `grouped_gemm` runs with these arguments (benchmarks record it).
 
     "auto" takes the wgmma kernel on a GPU of compute capability 9.x when x has more than
@@ -108,7 +111,8 @@ def grouped_gemm_backend(x: jax.Array, w: jax.Array, w_scale: jax.Array | None =
     if backend not in BACKENDS:
         fail(_FN, f"backend is {backend!r}, expected one of {BACKENDS}")
     tiles = MosaicTiles() if mosaic_tiles is None else mosaic_tiles
-    reason = "rows given by row_groups" if row_groups is not None else None
+    reason = ("rows given by row_groups" if row_groups is not None
+              else "fp8 activations (x_scale)" if x_scale is not None else None)
     if backend == "mosaic":
         reason = reason or mosaic_supports(x, w, w_scale, out_dtype, tiles)
         if reason:
@@ -125,14 +129,15 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
                         row_groups: jax.Array | None = None, layer: jax.Array | int | None = None, out_dtype=None, block_m: int = 16,
                         block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
                         shared_w1: jax.Array | None = None, shared_w3: jax.Array | None = None,
-                        shared_w1_scale: jax.Array | None = None, shared_w3_scale: jax.Array | None = None) -> jax.Array:
+                        shared_w1_scale: jax.Array | None = None, shared_w3_scale: jax.Array | None = None,
+                        x_scale: jax.Array | None = None) -> jax.Array:
     """The gated hidden state of routed experts in one launch: h = silu(x W1_g^T) * (x W3_g^T).
 
     Same rows, groups (`group_sizes` or `row_groups`), weight forms (bf16 or fp8 + 128x128 scales,
     optionally a layer stack with `layer`) and tiles as `grouped_gemm`; w1 and w3 have one shape. Each program loads its x tile
     once and both weights' tiles of the same columns, keeps two float32 accumulators and applies
-    silu(a1) * a3 in float32 before storing h in `out_dtype` (default: x's dtype). Rows past the
-    groups come out zero.
+    silu(a1) * a3 in float32 before storing h in `out_dtype` (default: x's dtype; bfloat16 for fp8 x with
+    `x_scale`, grouped_gemm's fp8 products). Rows past the groups come out zero.
 
     shared_w1, shared_w3 (S * N, K) (fp8: with their scales), with row_groups: the shared experts of an
     MoE layer stored as one MLP of S * N hidden units, run as S more groups G .. G + S - 1, group G + s
@@ -147,9 +152,10 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
         if shared_w1 is None or shared_w3 is None or shared_w1.shape != shared_w3.shape:
             fail(_SWIGLU, "shared_w1 and shared_w3 go together, with one shape")
         shared = _Shared("n", (shared_w1, shared_w3), (shared_w1_scale, shared_w3_scale))
+    default_out = jnp.bfloat16 if x_scale is not None else x.dtype
     return _grouped(_SWIGLU, x, (w1, w3), (w1_scale, w3_scale), _groups(_SWIGLU, group_sizes, row_groups), layer,
-                    None, True,
-                    x.dtype if out_dtype is None else out_dtype, block_m, block_n, num_warps, num_stages, shared=shared)
+                    None, True, default_out if out_dtype is None else out_dtype, block_m, block_n, num_warps,
+                    num_stages, shared=shared, x_scale=x_scale)
 
 
 _SWIGLU = "grouped_gemm_swiglu"
@@ -203,7 +209,7 @@ def _groups(fn: str, group_sizes, row_groups) -> tuple[str, jax.Array]:
 
 
 def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, block_m, block_n,
-             num_warps, num_stages, shared: _Shared | None = None):
+             num_warps, num_stages, shared: _Shared | None = None, x_scale=None):
     """The shared wrapper: checks, the XLA fallback, the tile schedule and one pallas_call over
     weights `ws` (one for a plain GEMM, w1 and w3 for swiglu), and the `shared` chunks' groups after them."""
     stacked = layer is not None
@@ -214,7 +220,7 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     w_scale = scales[0]
     form, group_data = groups
     m, k = _check(fn, x, w[0] if stacked else w, groups, None if w_scale is None else
-                  (w_scale[0] if stacked else w_scale), block_m, block_n)
+                  (w_scale[0] if stacked else w_scale), block_m, block_n, x_scale)
     sizes, row_groups = (group_data, None) if form == "sizes" else (None, group_data)
     if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
         fail(fn, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 ({m},)")
@@ -234,8 +240,10 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
             ws = tuple(jnp.concatenate([a, b]) for a, b in zip(ws, extra_ws))
             scales = tuple(None if a is None else jnp.concatenate([a, b]) for a, b in zip(scales, extra_scales))
         if swiglu:
-            return grouped_gemm_swiglu_ref(x, *ws, sizes, *scales, out_dtype=out_dtype, row_groups=row_groups)
-        return grouped_gemm_ref(x, ws[0], sizes, scales[0], out_dtype, row_scale=row_scale, row_groups=row_groups)
+            return grouped_gemm_swiglu_ref(x, *ws, sizes, *scales, out_dtype=out_dtype, row_groups=row_groups,
+                                           x_scale=x_scale)
+        return grouped_gemm_ref(x, ws[0], sizes, scales[0], out_dtype, row_scale=row_scale, row_groups=row_groups,
+                                x_scale=x_scale)
     shared_ws, shared_scales = ((), ()) if shared is None else (shared.weights, shared.scales)
     if not stacked:  # a one-layer stack
         ws, shared_ws = tuple(a[None] for a in ws), tuple(a[None] for a in shared_ws)
@@ -253,8 +261,9 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     # a tile's rows [row, row + block_m) are masked, but the refs keep a tile of slack past the last
     # row: masked loads past the end of the refs are slower (benchmarks/NOTES.md)
     pad = block_m
-    operands = ([schedule, jnp.pad(x, ((0, pad), (0, 0))), *ws, *shared_ws]
-                + (list(scales) + list(shared_scales) if fp8 else []))
+    operands = ([schedule, jnp.pad(x, ((0, pad), (0, 0)))]
+                + ([] if x_scale is None else [jnp.pad(x_scale, ((0, pad), (0, 0)))])
+                + [*ws, *shared_ws] + (list(scales) + list(shared_scales) if fp8 else []))
     if row_scale is not None:
         operands.append(jnp.pad(row_scale, (0, pad)))
     operands = match_vma(vma, *operands)
@@ -270,7 +279,7 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     kernel = functools.partial(_kernel, n=n, k=k, block_m=block_m, block_n=block_n, fp8=fp8,
                                n_weights=len(ws), row_scale=row_scale is not None, swiglu=swiglu,
                                zero_missing=every_row_a_tile, n_groups=n_groups,
-                               shared_axis=None if shared is None else shared.axis)
+                               shared_axis=None if shared is None else shared.axis, x_scaled=x_scale is not None)
     extra = [] if every_row_a_tile else match_vma(vma, jnp.zeros((m + pad, n), out_dtype))
     out = pl.pallas_call(
         kernel,
@@ -296,11 +305,11 @@ def even_odd_columns(x: jax.Array) -> jax.Array:
     return x.reshape(m, k // BLOCK, BLOCK // 2, 2).swapaxes(2, 3).reshape(m, k)
 
 
-def _unpack_fp8_pairs(words: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """uint16 words -> (low bytes, high bytes) as float32 values of their e4m3 codes."""
+def _fp8_pairs(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint16 words -> (low bytes, high bytes) as e4m3 values."""
     low = jax.lax.bitcast_convert_type((words & jnp.uint16(0xFF)).astype(jnp.uint8), FP8)
     high = jax.lax.bitcast_convert_type((words >> jnp.uint16(8)).astype(jnp.uint8), FP8)
-    return low.astype(jnp.float32), high.astype(jnp.float32)
+    return low, high
 
 
 def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tuple[jax.Array, int]:
@@ -356,11 +365,12 @@ def row_schedule(row_groups: jax.Array, groups: int, layer=0, merge_from: int | 
 
 
 def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, zero_missing,
-            n_groups, shared_axis):
-    """One (row tile, column tile) program. refs: the weights (n_weights), the shared chunks' wide
-    weights (n_weights, if `shared_axis`), the scales of both (if fp8), row_scale (if given), the zeroed
-    output buffer (aliased to the output; not with zero_missing, where a tile that does not exist
-    stores zeros over its rows), then the output."""
+            n_groups, shared_axis, x_scaled):
+    """One (row tile, column tile) program. refs: x's scales (if `x_scaled`), the weights (n_weights), the
+    shared chunks' wide weights (n_weights, if `shared_axis`), the scales of both (if fp8), row_scale (if
+    given), the zeroed output buffer (aliased to the output; not with zero_missing, where a tile that does
+    not exist stores zeros over its rows), then the output."""
+    x_scale_ref, refs = (refs[0], refs[1:]) if x_scaled else (None, refs)
     refs, w_refs = _take(refs, n_weights)
     refs, shared_refs = _take(refs, n_weights if shared_axis else 0)
     refs, scale_refs = _take(refs, n_weights if fp8 else 0)
@@ -388,7 +398,8 @@ def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row
     def run(loaders):
         rows, cols, row_ok, col_ok = tile_rows()
         tiles, scales = loaders(cols, col_ok)
-        finish(_k_loop(x_ref, tiles, scales, rows, row_ok, k=k, block_n=block_n, fp8=fp8), rows, cols, row_ok, col_ok)
+        accs = _k_loop(x_ref, x_scale_ref, tiles, scales, rows, row_ok, k=k, block_n=block_n, fp8=fp8)
+        finish(accs, rows, cols, row_ok, col_ok)
 
     def routed(cols, col_ok):
         tiles = [lambda start, width, w_ref=w_ref: plgpu.load(w_ref.at[layer, group, cols, pl.ds(start, width)],
@@ -435,10 +446,12 @@ def _shared_loaders(w_refs, scale_refs, layer, chunk, j, cols, col_ok, *, n, k, 
     return tiles, scales
 
 
-def _k_loop(x_ref, tiles, scales, rows, row_ok, *, k, block_n, fp8):
+def _k_loop(x_ref, x_scale_ref, tiles, scales, rows, row_ok, *, k, block_n, fp8):
     """The K loop shared by every grouped kernel: float32 (block_m, block_n) x-tile times w-tile^T for
     each weight (`tiles[i](start, width)` loads its (block_n, width) tile at K offset `start`, in fp8
-    byte pairs when fp8, `scales[i](kb)` its scale at K block kb), the x tile loaded once per K block."""
+    byte pairs when fp8, `scales[i](kb)` its scale at K block kb), the x tile loaded once per K block.
+    With `x_scale_ref` (fp8 x) the fp8 tiles meet on the tensor cores as they are and each K block's
+    product is scaled by both scales; otherwise an fp8 tile is dequantized to x's dtype first."""
 
     def dot(xb, wb):
         precision = jax.lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None  # no tf32 for float32
@@ -454,19 +467,23 @@ def _k_loop(x_ref, tiles, scales, rows, row_ok, *, k, block_n, fp8):
         half = BLOCK // 2  # the block's even columns of x meet the low bytes, its odd ones the high
         x_even = plgpu.load(x_ref.at[rows, pl.ds(start, half)], mask=row_ok[:, None])
         x_odd = plgpu.load(x_ref.at[rows, pl.ds(start + half, half)], mask=row_ok[:, None])
+        x_scale = None if x_scale_ref is None else plgpu.load(x_scale_ref.at[rows, kb], mask=row_ok, other=0)
         out = []
         for acc, tile, scale_at in zip(accs, tiles, scales):
             words, scale = tile(pl.multiple_of(kb * half, half), half), scale_at(kb)
-            w_even, w_odd = _unpack_fp8_pairs(words)
-            out.append(acc + dot(x_even, (w_even * scale).astype(x_even.dtype))
-                       + dot(x_odd, (w_odd * scale).astype(x_odd.dtype)))
+            w_even, w_odd = _fp8_pairs(words)
+            if x_scale is not None:
+                out.append(acc + (dot(x_even, w_even) + dot(x_odd, w_odd)) * (x_scale[:, None] * scale))
+                continue
+            out.append(acc + dot(x_even, (w_even.astype(jnp.float32) * scale).astype(x_even.dtype))
+                       + dot(x_odd, (w_odd.astype(jnp.float32) * scale).astype(x_odd.dtype)))
         return tuple(out)
 
     zeros = tuple(jnp.zeros((row_ok.shape[0], block_n), jnp.float32) for _ in tiles)
     return jax.lax.fori_loop(0, k // BLOCK, body, zeros)
 
 
-def _check(fn, x, w, groups_form, w_scale, block_m, block_n) -> tuple[int, int]:
+def _check(fn, x, w, groups_form, w_scale, block_m, block_n, x_scale=None) -> tuple[int, int]:
     form, group_data = groups_form
     name = "group_sizes" if form == "sizes" else "row_groups"
     if x.ndim != 2 or w.ndim != 3 or group_data.ndim != 1:
@@ -484,8 +501,13 @@ def _check(fn, x, w, groups_form, w_scale, block_m, block_n) -> tuple[int, int]:
         fail(fn, f"row_groups has {group_data.shape[0]} entries for the {m} rows of x")
     if not jnp.issubdtype(group_data.dtype, jnp.integer):
         fail(fn, f"{name} has dtype {group_data.dtype}, expected an integer type")
-    if x.dtype not in (jnp.bfloat16, jnp.float32, jnp.float16):
-        fail(fn, f"x has dtype {x.dtype}, expected bfloat16, float16 or float32")
+    if x_scale is not None:
+        if x.dtype != FP8 or w_scale is None:
+            fail(fn, f"x_scale goes with an fp8 x and an fp8 w (act_quant's output); x has dtype {x.dtype}")
+        if tuple(x_scale.shape) != (m, k // BLOCK) or x_scale.dtype != jnp.float32:
+            fail(fn, f"x_scale has shape {tuple(x_scale.shape)} {x_scale.dtype}, expected float32 ({m}, {k // BLOCK})")
+    elif x.dtype not in (jnp.bfloat16, jnp.float32, jnp.float16):
+        fail(fn, f"x has dtype {x.dtype}, expected bfloat16, float16 or float32 (or float8_e4m3fn with x_scale)")
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value < 16 or value & (value - 1):
             fail(fn, f"{name}={value} must be a power of two >= 16")

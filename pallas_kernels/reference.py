@@ -51,10 +51,13 @@ def fp8_gemm_ref(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out
 
 def grouped_gemm_ref(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None, w_scale: jax.Array | None = None,
                      out_dtype=jnp.float32, row_scale: jax.Array | None = None,
-                     row_groups: jax.Array | None = None) -> jax.Array:
+                     row_groups: jax.Array | None = None, x_scale: jax.Array | None = None) -> jax.Array:
     """`grouped_gemm`: dequantise (if fp8) to x's dtype, then `ragged_dot` in float32 (with
     `row_groups`: each row times its own group's weight, rows naming no group zero), times
-    row_scale[r] per row (if given), cast to out_dtype; rows past the groups are zero."""
+    row_scale[r] per row (if given), cast to out_dtype; rows past the groups are zero. An fp8 x with
+    `x_scale` is dequantised to float32 first (its products then exact, as on the fp8 tensor cores)."""
+    if x_scale is not None:
+        x = x.astype(jnp.float32) * jnp.repeat(x_scale, BLOCK, axis=1)[:, : x.shape[1]]
     if w_scale is not None:
         full = jnp.repeat(jnp.repeat(w_scale, BLOCK, axis=1), BLOCK, axis=2)[:, : w.shape[1], : w.shape[2]]
         w = (w.astype(jnp.float32) * full).astype(x.dtype)
@@ -76,12 +79,14 @@ def grouped_gemm_ref(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None, 
 
 def grouped_gemm_swiglu_ref(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array | None,
                             w1_scale: jax.Array | None = None, w3_scale: jax.Array | None = None,
-                            out_dtype=None, row_groups: jax.Array | None = None) -> jax.Array:
+                            out_dtype=None, row_groups: jax.Array | None = None,
+                            x_scale: jax.Array | None = None) -> jax.Array:
     """`grouped_gemm_swiglu`: silu(x W1_g^T) * (x W3_g^T) from float32 products, cast to out_dtype
-    (default x's dtype); rows past the groups (or naming none) are zero."""
-    a1 = grouped_gemm_ref(x, w1, group_sizes, w1_scale, row_groups=row_groups)
-    a3 = grouped_gemm_ref(x, w3, group_sizes, w3_scale, row_groups=row_groups)
-    return (jax.nn.silu(a1) * a3).astype(x.dtype if out_dtype is None else out_dtype)
+    (default x's dtype; bfloat16 for an fp8 x with x_scale); rows past the groups (or naming none) are zero."""
+    a1 = grouped_gemm_ref(x, w1, group_sizes, w1_scale, row_groups=row_groups, x_scale=x_scale)
+    a3 = grouped_gemm_ref(x, w3, group_sizes, w3_scale, row_groups=row_groups, x_scale=x_scale)
+    default = jnp.bfloat16 if x_scale is not None else x.dtype
+    return (jax.nn.silu(a1) * a3).astype(default if out_dtype is None else out_dtype)
 
 
 def route_ref(logits: jax.Array, bias: jax.Array | None = None, *, topk: int, n_groups: int = 1,

@@ -145,22 +145,24 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     group_sizes (E,) counts the rows of each expert; rows past their sum come out as zeros.
     `use_kernel` runs the Pallas grouped GEMM, which reads only the experts in use; otherwise
     `jax.lax.ragged_dot_general`, which streams every expert. With an fp8 weight, "bf16"
-    dequantises it (in the kernel, tile by tile); "fp8" also rounds the activations through
-    `act_quant`: exactly the scaled fp8 GEMM's products on the XLA path, carried in x's dtype
-    in the kernel (exact for ue8m0 scales, within 2^-9 otherwise). With `stack_index` (kernel only),
+    dequantises it (in the kernel, tile by tile); "fp8" quantises the activations through `act_quant`
+    for the scaled fp8 GEMM's products: on the fp8 tensor cores in the kernel (`x_scale`), exactly in
+    float32 on the XLA path. With `stack_index` (kernel only),
     weight and scale are a stack over layers (L, E, out, in) of which layer `stack_index` is used.
     `row_scale` (M,) float32 multiplies each row's float32 result (in the kernel, before its store).
     `row_groups` (M,) (kernel only) replaces group_sizes: rows in any order, each naming its expert.
     `shared_w` (out, S * in) (kernel, with row_groups): S more experts past the routed ones, chunks of it
     along `in` (the shared experts' down projection; `grouped_gemm`).
     """
-    if scale is not None and gemm_impl == "fp8":
-        x = _fp8_activations(x, scale_fmt, x.dtype if use_kernel else jnp.float32)
     if use_kernel:
+        x_scale, tiles = None, _kernel_tiles(x.shape[0], scale is not None, row_groups is not None)
+        if scale is not None and gemm_impl == "fp8":
+            x, x_scale = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
         return grouped_gemm(x, weight, group_sizes, scale, row_groups=row_groups, layer=stack_index,
                             out_dtype=jnp.float32, row_scale=row_scale, shared_w=shared_w,
-                            shared_w_scale=shared_w_scale,
-                            **_kernel_tiles(x.shape[0], scale is not None, row_groups is not None))
+                            shared_w_scale=shared_w_scale, x_scale=x_scale, **tiles)
+    if scale is not None and gemm_impl == "fp8":
+        x = _fp8_activations(x, scale_fmt, jnp.float32)
     if stack_index is not None or row_groups is not None:
         raise ValueError("grouped_matmul: a stack of layers' weights (`stack_index`) or `row_groups` needs the kernel")
     if scale is not None:
@@ -181,13 +183,13 @@ def grouped_swiglu(x: jnp.ndarray, w1: jnp.ndarray, w3: jnp.ndarray, scale1: jnp
                    **shared) -> jnp.ndarray:
     """silu(x W1_g^T) * (x W3_g^T) in x's dtype from one Pallas launch (`grouped_gemm_swiglu`):
     the "fused" routed-expert path's first half. Same arguments as `grouped_matmul` with
-    use_kernel; with gemm_impl "fp8" and fp8 weights x is rounded through `act_quant` once.
-    `shared`: the shared experts' weights as more experts (`grouped_gemm_swiglu`'s shared_w1, ...)."""
+    use_kernel; with gemm_impl "fp8" and fp8 weights x is quantised through `act_quant` once, for the fp8
+    tensor cores. `shared`: the shared experts' weights as more experts (`grouped_gemm_swiglu`'s shared_w1, ...)."""
+    tiles, out_dtype, x_scale = _kernel_tiles(x.shape[0], scale1 is not None, row_groups is not None), x.dtype, None
     if scale1 is not None and gemm_impl == "fp8":
-        x = _fp8_activations(x, scale_fmt, x.dtype)
+        x, x_scale = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
     return grouped_gemm_swiglu(x, w1, w3, group_sizes, scale1, scale3, row_groups=row_groups, layer=stack_index,
-                               out_dtype=x.dtype, **shared,
-                               **_kernel_tiles(x.shape[0], scale1 is not None, row_groups is not None))
+                               out_dtype=out_dtype, x_scale=x_scale, **shared, **tiles)
 
 
 class Experts(nnx.Module):
