@@ -232,18 +232,8 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     n_shared = 0 if shared is None else shared.count(fn, n, k, fp8, x.dtype, stacked)
     interpret = use_interpret()
     if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, *ws, group_data):
-        pick = (lambda a: a) if not stacked else (  # noqa: E731
-            lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
-        ws, scales = tuple(map(pick, ws)), tuple(map(pick, scales))
-        if n_shared:
-            extra_ws, extra_scales = shared.as_groups(n_shared, n, k, pick)
-            ws = tuple(jnp.concatenate([a, b]) for a, b in zip(ws, extra_ws))
-            scales = tuple(None if a is None else jnp.concatenate([a, b]) for a, b in zip(scales, extra_scales))
-        if swiglu:
-            return grouped_gemm_swiglu_ref(x, *ws, sizes, *scales, out_dtype=out_dtype, row_groups=row_groups,
-                                           x_scale=x_scale)
-        return grouped_gemm_ref(x, ws[0], sizes, scales[0], out_dtype, row_scale=row_scale, row_groups=row_groups,
-                                x_scale=x_scale)
+        return _twin(x, ws, scales, groups, layer if stacked else None, row_scale, swiglu, out_dtype, shared,
+                     n_shared, x_scale)
     shared_ws, shared_scales = ((), ()) if shared is None else (shared.weights, shared.scales)
     if not stacked:  # a one-layer stack
         ws, shared_ws = tuple(a[None] for a in ws), tuple(a[None] for a in shared_ws)
@@ -291,6 +281,27 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
         name=fn,
     )(*operands, *extra)
     return out[:m]
+
+
+def _twin(x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, shared: _Shared | None, n_shared: int,
+          x_scale):
+    """`_grouped`'s result from the jnp twins: layer `layer` of stacked weights (None: unstacked), the
+    shared chunks as more groups."""
+    pick = (lambda a: a) if layer is None else (  # noqa: E731
+        lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
+    ws, scales = tuple(map(pick, ws)), tuple(map(pick, scales))
+    n, k = ws[0].shape[-2:]
+    if n_shared:
+        extra_ws, extra_scales = shared.as_groups(n_shared, n, k, pick)
+        ws = tuple(jnp.concatenate([a, b]) for a, b in zip(ws, extra_ws))
+        scales = tuple(None if a is None else jnp.concatenate([a, b]) for a, b in zip(scales, extra_scales))
+    form, group_data = groups
+    sizes, row_groups = (group_data, None) if form == "sizes" else (None, group_data)
+    if swiglu:
+        return grouped_gemm_swiglu_ref(x, *ws, sizes, *scales, out_dtype=out_dtype, row_groups=row_groups,
+                                       x_scale=x_scale)
+    return grouped_gemm_ref(x, ws[0], sizes, scales[0], out_dtype, row_scale=row_scale, row_groups=row_groups,
+                            x_scale=x_scale)
 
 
 def byte_pairs(w: jax.Array) -> jax.Array:
