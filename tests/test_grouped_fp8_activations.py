@@ -5,10 +5,12 @@
 Scales are powers of two from 1/16 to 4 times a random factor, per row and K block for x, per 128x128 block
 for the weights: a kernel that applied a neighbouring block's or row's scale, or left one out, is off by
 2x or more somewhere, far past the float32 tolerances below."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsv3_jax.model.moe import _kernel_inputs
 from pallas_kernels import act_quant
 from pallas_kernels.grouped import grouped_gemm, grouped_gemm_swiglu
 from pallas_kernels.reference import grouped_gemm_ref
@@ -129,7 +131,31 @@ def test_fp8_activations_are_checked():
 
 @pytest.mark.gpu
 def test_fp8_activations_compiled_on_gpu():
-    test_swiglu_with_fp8_activations_reads_routed_and_shared_experts()
-    test_down_projection_with_fp8_activations_and_row_scale()
-    test_sorted_groups_with_fp8_activations([2, 0, 19, 5], 16)
-    test_sorted_groups_with_fp8_activations([0, 1300, 1, 0], 64)  # prefill-sized: still the Triton kernel
+    """Also the twin's float32 ragged_dot, at float32 precision (not the GPU's default tf32)."""
+    with jax.default_matmul_precision("highest"):
+        test_swiglu_with_fp8_activations_reads_routed_and_shared_experts()
+        test_down_projection_with_fp8_activations_and_row_scale()
+        test_sorted_groups_with_fp8_activations([2, 0, 19, 5], 16)
+        test_sorted_groups_with_fp8_activations([0, 1300, 1, 0], 64)  # prefill-sized: still the Triton kernel
+
+
+@pytest.mark.parametrize("rows, one_row_tiles, on_tensor_cores", [(9, True, True), (600, False, True),
+                                                                  (1500, False, False), (1500, True, True)])
+def test_moe_feeds_fp8_activations_to_decode_sized_kernels(rows, one_row_tiles, on_tensor_cores):
+    """Under gemm_impl "fp8" the MoE hands the grouped kernels act_quant's fp8 pair where they run short row
+    tiles (decode steps, one-row tiles) and, in prefill-sized steps, x rounded through the same act_quant
+    (its fp8 values times their scales, in x's dtype); bf16 weights or gemm_impl "bf16" get x untouched."""
+    x = jnp.asarray(np.random.default_rng(35).standard_normal((rows, K)), jnp.bfloat16)
+    xq, xs = act_quant(x)
+    got, got_scale, tiles = _kernel_inputs(x, True, "fp8", None, one_row_tiles)
+    assert tiles["block_m"] == (16 if on_tensor_cores else 64)
+    if on_tensor_cores:
+        assert got.dtype == jnp.float8_e4m3fn and np.array_equal(np.asarray(got, np.float32), np.asarray(xq, np.float32))
+        assert np.array_equal(np.asarray(got_scale), np.asarray(xs))
+    else:
+        want = (dequant64(xq, xs)).astype(np.float32)
+        assert got_scale is None and got.dtype == jnp.bfloat16
+        assert np.array_equal(np.asarray(got, np.float32), np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32))
+    for fp8_weights, gemm_impl in ((False, "fp8"), (True, "bf16")):
+        same, none, _ = _kernel_inputs(x, fp8_weights, gemm_impl, None, one_row_tiles)
+        assert same is x and none is None

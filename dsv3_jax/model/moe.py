@@ -126,13 +126,32 @@ def _fp8_activations(x: jnp.ndarray, scale_fmt: str | None, dtype) -> jnp.ndarra
     return blocks.reshape(x.shape).astype(dtype)
 
 
+def _short_tiles(rows: int, one_row_tiles: bool) -> bool:
+    """Whether the grouped kernels run decode-sized short row tiles (`_kernel_tiles`). There, under gemm_impl
+    "fp8", fp8 activations meet the fp8 weights on the tensor cores (`x_scale`); with prefill's tall tiles the
+    kernels dequantise the weights instead and take the activations rounded through act_quant, which measured
+    faster there (benchmarks/NOTES.md)."""
+    return rows <= MOSAIC_MIN_ROWS or one_row_tiles
+
+
 def _kernel_tiles(rows: int, fp8: bool, one_row_tiles: bool = False) -> dict:
     """block_m, block_n of the grouped kernels: decode-sized batches, and tiles of one row each
     (`row_groups`), get short row tiles; prefill taller tiles, which re-read each expert less often
     (block_n <= 128 with fp8 weights). Past the same row count grouped_gemm runs bf16 weights on its
     wgmma kernel (with its own tiles) on sm_90."""
-    block_m, block_n = (16, 64) if rows <= MOSAIC_MIN_ROWS or one_row_tiles else (64, 128)
+    block_m, block_n = (16, 64) if _short_tiles(rows, one_row_tiles) else (64, 128)
     return dict(block_m=block_m, block_n=min(block_n, FP8_BLOCK) if fp8 else block_n)
+
+
+def _kernel_inputs(x, fp8_weights: bool, gemm_impl: str, scale_fmt, one_row_tiles: bool):
+    """x for the grouped kernels and its x_scale (or None), and their tiles."""
+    short = _short_tiles(x.shape[0], one_row_tiles)
+    tiles = _kernel_tiles(x.shape[0], fp8_weights, one_row_tiles)
+    if not (fp8_weights and gemm_impl == "fp8"):
+        return x, None, tiles
+    if short:
+        return *act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt), tiles
+    return _fp8_activations(x, scale_fmt, x.dtype), None, tiles
 
 
 def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | None, group_sizes: jnp.ndarray | None,
@@ -146,8 +165,9 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     `use_kernel` runs the Pallas grouped GEMM, which reads only the experts in use; otherwise
     `jax.lax.ragged_dot_general`, which streams every expert. With an fp8 weight, "bf16"
     dequantises it (in the kernel, tile by tile); "fp8" quantises the activations through `act_quant`
-    for the scaled fp8 GEMM's products: on the fp8 tensor cores in the kernel (`x_scale`), exactly in
-    float32 on the XLA path. With `stack_index` (kernel only),
+    for the scaled fp8 GEMM's products: exactly in float32 on the XLA path, on the fp8 tensor cores in the
+    kernel's decode-sized steps (`_short_tiles`), and in its prefill-sized ones carried in x's dtype (exact
+    for ue8m0 scales, within 2^-9 otherwise). With `stack_index` (kernel only),
     weight and scale are a stack over layers (L, E, out, in) of which layer `stack_index` is used.
     `row_scale` (M,) float32 multiplies each row's float32 result (in the kernel, before its store).
     `row_groups` (M,) (kernel only) replaces group_sizes: rows in any order, each naming its expert.
@@ -155,9 +175,7 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     along `in` (the shared experts' down projection; `grouped_gemm`).
     """
     if use_kernel:
-        x_scale, tiles = None, _kernel_tiles(x.shape[0], scale is not None, row_groups is not None)
-        if scale is not None and gemm_impl == "fp8":
-            x, x_scale = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
+        x, x_scale, tiles = _kernel_inputs(x, scale is not None, gemm_impl, scale_fmt, row_groups is not None)
         return grouped_gemm(x, weight, group_sizes, scale, row_groups=row_groups, layer=stack_index,
                             out_dtype=jnp.float32, row_scale=row_scale, shared_w=shared_w,
                             shared_w_scale=shared_w_scale, x_scale=x_scale, **tiles)
@@ -183,11 +201,10 @@ def grouped_swiglu(x: jnp.ndarray, w1: jnp.ndarray, w3: jnp.ndarray, scale1: jnp
                    **shared) -> jnp.ndarray:
     """silu(x W1_g^T) * (x W3_g^T) in x's dtype from one Pallas launch (`grouped_gemm_swiglu`):
     the "fused" routed-expert path's first half. Same arguments as `grouped_matmul` with
-    use_kernel; with gemm_impl "fp8" and fp8 weights x is quantised through `act_quant` once, for the fp8
-    tensor cores. `shared`: the shared experts' weights as more experts (`grouped_gemm_swiglu`'s shared_w1, ...)."""
-    tiles, out_dtype, x_scale = _kernel_tiles(x.shape[0], scale1 is not None, row_groups is not None), x.dtype, None
-    if scale1 is not None and gemm_impl == "fp8":
-        x, x_scale = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
+    use_kernel; with gemm_impl "fp8" and fp8 weights x is quantised through `act_quant` once (as there).
+    `shared`: the shared experts' weights as more experts (`grouped_gemm_swiglu`'s shared_w1, ...)."""
+    out_dtype = x.dtype
+    x, x_scale, tiles = _kernel_inputs(x, scale1 is not None, gemm_impl, scale_fmt, row_groups is not None)
     return grouped_gemm_swiglu(x, w1, w3, group_sizes, scale1, scale3, row_groups=row_groups, layer=stack_index,
                                out_dtype=out_dtype, x_scale=x_scale, **shared, **tiles)
 
