@@ -10,6 +10,8 @@ this file (`pytest -m gpu tests/test_gemm_mgpu.py`).
 from __future__ import annotations
 
 import functools
+import zlib
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,46 +50,81 @@ def operands(rng, lead, n, k, scale_fmt=None):
     return a, a_s, b, b_s
 
 
-def check(c, a, a_s, b, b_s, out_dtype):
-    """c (interpret mode) against the jnp twin (the same float32 math: only the order of additions
-    differs) and float64 numpy, within kernel_checks.gemm_tolerance (measured ~5e-8 in float32)."""
-    assert c.shape == (*a.shape[:-1], b.shape[0]) and c.dtype == jnp.dtype(out_dtype)
+class Product(NamedTuple):
+    """A product's operands and its two oracles: the jnp twin (the same float32 math: only the
+    order of additions differs) and float64 numpy."""
+    a: jax.Array
+    a_s: jax.Array
+    b: jax.Array
+    b_s: jax.Array
+    twin: np.ndarray
+    exact: np.ndarray
+
+    @property
+    def operands(self):
+        return self.a, self.a_s, self.b, self.b_s
+
+
+def product(m, n, k, scale_fmt=None, lead=None) -> Product:
+    """Seeded operands of an (m, k) x (n, k)^T product (or (*lead, k) rows) and its oracles."""
+    rng = np.random.default_rng(zlib.crc32(f"{lead or m},{n},{k},{scale_fmt}".encode()))
+    a, a_s, b, b_s = operands(rng, lead or (m,), n, k, scale_fmt)
     twin = jax.jit(fp8_gemm_ref, static_argnames="out_dtype")(a, a_s, b, b_s, out_dtype=jnp.float32)
-    assert rel_l2(c, twin) < gemm_tolerance(out_dtype, interpret=True)
-    assert rel_l2(c, numpy_gemm(a, a_s, b, b_s)) < gemm_tolerance(out_dtype, interpret=True)
+    return Product(a, a_s, b, b_s, np.asarray(twin, np.float64), numpy_gemm(a, a_s, b, b_s))
+
+
+@pytest.fixture(scope="module")
+def products():
+    """product(...), computed once per shape in this module (cases sharing a shape share its
+    operands and oracles)."""
+    return functools.cache(product)
+
+
+def check(c, p: Product, out_dtype):
+    """c (interpret mode) against both oracles, within kernel_checks.gemm_tolerance (measured ~5e-8
+    in float32)."""
+    assert c.shape == (*p.a.shape[:-1], p.b.shape[0]) and c.dtype == jnp.dtype(out_dtype)
+    assert rel_l2(c, p.twin) < gemm_tolerance(out_dtype, interpret=True)
+    assert rel_l2(c, p.exact) < gemm_tolerance(out_dtype, interpret=True)
+
+
+# One compiled program per kernel, shape and out_dtype: cases with the same ones reuse it.
+_mosaic_jit = jax.jit(functools.partial(fp8_gemm, impl="mosaic"), static_argnames=("out_dtype", "mosaic_config"))
 
 
 # ---------------------------------------------------------------- interpret mode (CPU)
 @pytest.mark.parametrize("m, scale_fmt", [(1, None), (100, None), (256, None), (256, "ue8m0")])
-def test_mosaic_interpret_matches_twin(rng, m, scale_fmt):
-    """M = 1 and 100 (shorter than a CTA tile: padded), 256 (two row tiles); two column tiles.
-    ue8m0 (power-of-two scales on both sides) at one M: the kernel has no scale-format branch, so
-    the same compiled kernel runs as for None at that M, only on other scale values."""
-    a, a_s, b, b_s = operands(rng, (m,), 256, 384, scale_fmt)
+def test_mosaic_interpret_matches_twin(products, m, scale_fmt):
+    """M = 1 and 100 (shorter than a CTA tile: padded), 256 (two row tiles); two column tiles, two
+    K-blocks. ue8m0 (power-of-two scales on both sides) at one M: the kernel has no scale-format
+    branch, so the program compiled for None at that M runs again, only on other scale values."""
+    p = products(m, 256, 256, scale_fmt)
     for out_dtype in (jnp.float32, jnp.bfloat16):
-        check(fp8_gemm(a, a_s, b, b_s, out_dtype=out_dtype, impl="mosaic"), a, a_s, b, b_s, out_dtype)
+        check(_mosaic_jit(*p.operands, out_dtype=out_dtype), p, out_dtype)
 
 
-def test_mosaic_interpret_leading_dims_under_jit(rng):
-    a, a_s, b, b_s = operands(rng, (2, 3), 256, 256)
+def test_mosaic_interpret_leading_dims_under_jit(products):
+    p = products(None, 256, 256, lead=(2, 3))
     f = jax.jit(functools.partial(fp8_gemm, out_dtype=jnp.float32, impl="mosaic"))
-    check(f(a, a_s, b, b_s), a, a_s, b, b_s, jnp.float32)
+    check(f(*p.operands), p, jnp.float32)
 
 
-@pytest.mark.parametrize("config", [
-    MosaicGemmConfig(tile_m=128, tile_n=64, wg_dim="n"),                # 128x128 CTA, split along N
-    MosaicGemmConfig(tile_n=64, wg_dim="n", max_ctas=2),                 # 64x128 CTA, 2 CTAs loop over 8 tiles
-    MosaicGemmConfig(num_compute_wgs=3, max_concurrent_steps=2),          # 192-row CTA: ragged last tile
-    MosaicGemmConfig(num_compute_wgs=1, tile_n=32, epi_tile_m=32, epi_tile_n=16, max_ctas=3,
-                     grid_minor="m", grid_tile_width=1),                  # 4 output pieces, 2 slots
-    MosaicGemmConfig(cluster="n", max_ctas=2),                           # CTA pairs share A (multicast)
-    MosaicGemmConfig(cluster="m", max_ctas=4),                           # pairs share B; 2nd tile partly past M
+@pytest.mark.parametrize("config, k", [
+    (MosaicGemmConfig(tile_m=128, tile_n=64, wg_dim="n"), 256),          # 128x128 CTA, split along N
+    (MosaicGemmConfig(tile_n=64, wg_dim="n", max_ctas=2), 256),           # 64x128 CTA, 2 CTAs loop over 8 tiles
+    (MosaicGemmConfig(num_compute_wgs=3, max_concurrent_steps=2), 384),    # 192-row CTA: ragged last tile;
+                                                                          # 3 K-blocks wrap the ring of 2
+    (MosaicGemmConfig(num_compute_wgs=1, tile_n=32, epi_tile_m=32, epi_tile_n=16, max_ctas=3,
+                      grid_minor="m", grid_tile_width=1), 256),            # 4 output pieces, 2 slots
+    (MosaicGemmConfig(cluster="n", max_ctas=2), 256),                     # CTA pairs share A (multicast)
+    (MosaicGemmConfig(cluster="m", max_ctas=4), 256),                     # pairs share B; 2nd tile partly past M
 ])
-def test_mosaic_interpret_configs(rng, config):
-    """Every kind of tiling, on a product of several tiles per CTA (M = 200 ragged, 3 K-blocks)."""
-    a, a_s, b, b_s = operands(rng, (200,), 256, 384)
-    c = fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, impl="mosaic", mosaic_config=config)
-    check(c, a, a_s, b, b_s, jnp.float32)
+def test_mosaic_interpret_configs(products, config, k):
+    """Every kind of tiling, on a product of several tiles per CTA (M = 200 ragged, two column
+    blocks of b_s, 2 K-blocks: more than one, fewer than the ring's 4 slots; 3 for a ring of 2)."""
+    p = products(200, 256, k)
+    c = fp8_gemm(*p.operands, out_dtype=jnp.float32, impl="mosaic", mosaic_config=config)
+    check(c, p, jnp.float32)
 
 
 @pytest.mark.parametrize("config", [
@@ -97,11 +134,11 @@ def test_mosaic_interpret_configs(rng, config):
     MosaicGemmConfig(max_ctas=2, cluster="n"),
     MosaicGemmConfig(max_ctas=3, chain=False),
 ])
-def test_mosaic_interpret_chained_tiles(rng, config):
+def test_mosaic_interpret_chained_tiles(products, config):
     """K/128 = 4 steps, a multiple of the ring depth: one pipeline runs on across a CTA's tiles."""
-    a, a_s, b, b_s = operands(rng, (200,), 512, 512)
-    c = fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.bfloat16, impl="mosaic", mosaic_config=config)
-    check(c, a, a_s, b, b_s, jnp.bfloat16)
+    p = products(200, 512, 512)
+    c = fp8_gemm(*p.operands, out_dtype=jnp.bfloat16, impl="mosaic", mosaic_config=config)
+    check(c, p, jnp.bfloat16)
 
 
 # ---------------------------------------------------------------- which kernel runs

@@ -48,6 +48,10 @@ def _jit(fn, **static):
     return jax.jit(functools.partial(fn, **static))
 
 
+# the float32 oracle as one program per shape, shared by the cases with the same inputs
+_ref = jax.jit(grouped_gemm_ref)
+
+
 def _assert_close(got, want, tol):
     """Every element within tol x the RMS of `want` (float32 sums of bf16 products differ only in
     summation order; a wrong row, column or group is off by about the RMS itself)."""
@@ -64,7 +68,7 @@ def test_interpret_matches_ragged_dot(sizes, extra_rows, tiles):
     x, w, group_sizes, _ = _inputs(sizes, 256, 256, extra_rows)
     got = _jit(grouped_gemm_mgpu, tiles=tiles)(x, w, group_sizes)
     total = sum(sizes)
-    _assert_close(got[:total], _jit(grouped_gemm_ref)(x, w, group_sizes)[:total], 1e-5)
+    _assert_close(got[:total], _ref(x, w, group_sizes)[:total], 1e-5)
     assert not np.any(np.asarray(got[total:])), "rows past the groups must be zero"
 
 
@@ -76,7 +80,7 @@ def test_interpret_layer_stack_row_scale_bf16_out(tiles):
     got = _jit(grouped_gemm_mgpu, out_dtype=jnp.bfloat16, tiles=tiles)(x, w, group_sizes, layer=jnp.int32(2),
                                                                      row_scale=row_scale)
     assert got.dtype == jnp.bfloat16
-    want = _jit(grouped_gemm_ref)(x, w[2], group_sizes, row_scale=row_scale)
+    want = _ref(x, w[2], group_sizes, row_scale=row_scale)
     _assert_close(got[:221], want[:221], 2e-2)  # bf16 rounding of the result
     assert not np.any(np.asarray(got[221:], np.float32))
 
@@ -94,7 +98,7 @@ def test_interpret_fp8_weights():
     x, w, group_sizes, row_scale = _inputs([0, 70, 1, 150], 256, 256, 29, layers=2, seed=4)
     w8, scale = _fp8(w, 5)
     got = _jit(grouped_gemm_mgpu, tiles=SMALL)(x, w8, group_sizes, scale, layer=jnp.int32(1), row_scale=row_scale)
-    want = _jit(grouped_gemm_ref)(x, w8[1], group_sizes, scale[1], row_scale=row_scale)
+    want = _ref(x, w8[1], group_sizes, scale[1], row_scale=row_scale)
     _assert_close(got[:221], want[:221], 1e-5)
     assert not np.any(np.asarray(got[221:]))
 
@@ -102,7 +106,7 @@ def test_interpret_fp8_weights():
 def test_grouped_gemm_backend_mosaic_runs_the_mgpu_kernel():
     x, w, group_sizes, row_scale = _inputs([0, 70, 1, 185], 128, 128, 0, seed=2)
     got = _jit(grouped_gemm, backend="mosaic", mosaic_tiles=SMALL)(x, w, group_sizes, row_scale=row_scale)
-    _assert_close(got, _jit(grouped_gemm_ref)(x, w, group_sizes, row_scale=row_scale), 1e-5)
+    _assert_close(got, _ref(x, w, group_sizes, row_scale=row_scale), 1e-5)
 
 
 def _lower_for_cuda(fn, *args):
