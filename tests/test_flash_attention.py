@@ -238,12 +238,14 @@ def check_kernel(got, q, k, v, pos, scale, kv_start):
     np.testing.assert_allclose(got, same_rounding, rtol=0, atol=2 * BF16_ULP * max(1.0, np.abs(same_rounding).max()))
 
 
-@pytest.mark.parametrize("s,t,starts,kv_start,tiles", [
-    (200, 384, (150, 7), 70, None),                                          # S ragged, kv_start mid-block
-    (128, 256, (0, 128), 0, FlashTiles(block_kv=64, max_concurrent_steps=3)),  # full causal + a cached row
+@pytest.mark.parametrize("s,t,starts,kv_start,tiles,heads", [
+    # S ragged over 2 query tiles, kv_start mid-block; one head (each head is a CTA of its own, and the
+    # interpreter's time grows faster than the CTA count): the next case reads 2 heads
+    (200, 384, (150, 7), 70, None, 1),
+    (128, 256, (0, 128), 0, FlashTiles(block_kv=64, max_concurrent_steps=3), 2),  # full causal + a cached row
 ])
-def test_mosaic_interpret_matches_float64(s, t, starts, kv_start, tiles):
-    q, k, v = operands(seed(f"mosaic-{s}-{t}"), len(starts), s, 2, t, jnp.bfloat16)
+def test_mosaic_interpret_matches_float64(s, t, starts, kv_start, tiles, heads):
+    q, k, v = operands(seed(f"mosaic-{s}-{t}"), len(starts), s, heads, t, jnp.bfloat16)
     pos = ragged_positions(s, starts)
     got = mosaic(q, k, v, pos, scale=D_QK ** -0.5, kv_start=kv_start, tiles=tiles, interpret=True)
     check_kernel(got, q, k, v, pos, D_QK ** -0.5, kv_start)
