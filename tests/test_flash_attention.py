@@ -14,8 +14,8 @@ masked by kv_start <= t <= positions[b, s]), sharing no code with the kernels. O
 With -m gpu: the compiled kernel at V2-Lite (16) and V3 (128) head counts, ragged positions.
 
 On the CPU the twins and the interpreted kernel run under `jax.jit` (`twin`, `dense`, `mosaic`: one
-program per shape, as in the model) and the operands go to the device already in their dtype
-(`jax.device_put`), so no case compiles op-by-op programs of its own.
+program per shape, as in the model; the `auto` tests compare with the twin called eagerly) and the
+operands go to the device already in their dtype (`jax.device_put`: no conversion programs).
 """
 from __future__ import annotations
 

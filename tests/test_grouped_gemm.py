@@ -268,9 +268,9 @@ def test_shared_chunks_run_as_more_groups(fp8):
     named = (row_groups >= 0) & (row_groups < groups + chunks)
     assert not np.any(got[~named]) and not np.any(np.asarray(h)[~named])
     # the twin (used under shard_map's interpreter) states the same
-    groups_w = np.concatenate([w2[layer].astype(np.float32) if s2 is None else _dequant64(w2, s2)[layer].astype(np.float32),
-                               np.stack([_dequant64(sw2, ss2)[layer, :, c * k:(c + 1) * k]
-                                         for c in range(chunks)]).astype(np.float32)])
+    routed_w2 = w2[layer] if s2 is None else _dequant64(w2, s2)[layer]
+    groups_w = np.concatenate([routed_w2, np.stack([_dequant64(sw2, ss2)[layer, :, c * k:(c + 1) * k]
+                                                    for c in range(chunks)])]).astype(np.float32)
     with jax.default_device(jax.devices()[0]):
         stated = twin(h_in, groups_w, None, row_scale=row_scale, row_groups=row_groups)
     assert np.linalg.norm(np.asarray(stated) - want) / np.linalg.norm(want) < 1e-5
