@@ -2,6 +2,7 @@
 
 Oracles: the plain-jnp twins in pallas_kernels.reference, always run on the CPU (XLA's GPU
 division is not correctly rounded, the CPU's is), and independent float64 / IEEE-float32 numpy.
+The oracles widen the kernels' outputs in numpy (exact, and no device program per shape).
 """
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def kernel_twins(*modules: str, everywhere: bool = False):
         yield
 
 
+_act_quant_twin = jax.jit(act_quant_ref, static_argnames="scale_fmt")
+_weight_dequant_twin = jax.jit(weight_dequant_ref, static_argnames="out_dtype")
+
+
 def cpu():
     return jax.devices("cpu")[0]
 
@@ -77,20 +82,20 @@ def activations(rng, shape, dtype=jnp.bfloat16, special_blocks=True) -> jax.Arra
         flat = x.reshape(-1, k)
         flat[0, :128] = 0.0
         flat[-1, -128:] = rng.standard_normal(128) * 1e-6
-    return jnp.asarray(x, dtype)
+    return jax.device_put(x.astype(dtype))  # the bits jnp.asarray(x, dtype) gives, without a program
 
 
 def fp8_weight(rng, m, n):
     """A float8 weight with random values and random positive block scales."""
-    w = jnp.asarray(rng.standard_normal((m, n)) * 64, FP8)
-    s = jnp.asarray(np.exp2(rng.uniform(-12, -2, size=(-(-m // 128), -(-n // 128)))), jnp.float32)
+    w = jax.device_put((rng.standard_normal((m, n)) * 64).astype(E4M3))
+    s = jax.device_put(np.exp2(rng.uniform(-12, -2, size=(-(-m // 128), -(-n // 128)))).astype(np.float32))
     return w, s
 
 
 # ---------------------------------------------------------------- act_quant
 def numpy_act_quant(x, scale_fmt):
     """Independent oracle: amax in float64, IEEE float32 scale and quotient, ml_dtypes e4m3 cast."""
-    xf = np.asarray(jnp.asarray(x, jnp.float32)).astype(np.float32)
+    xf = np.asarray(x).astype(np.float32)
     xb = xf.reshape(*xf.shape[:-1], -1, 128)
     amax = np.maximum(np.abs(xb.astype(np.float64)).max(-1), np.float64(np.float32(1e-4)))
     s = (amax.astype(np.float32) / np.float32(448.0)).astype(np.float32)
@@ -112,7 +117,7 @@ def check_act_quant(x, scale_fmt, tile=None, oracle_numpy=True):
         y, s = y.reshape(x.shape), s.reshape(*x.shape[:-1], k // 128)
     assert y.dtype == FP8 and s.dtype == jnp.float32
     assert y.shape == x.shape and s.shape == (*x.shape[:-1], x.shape[-1] // 128)
-    yr, sr = on_cpu(jax.jit(act_quant_ref, static_argnames="scale_fmt"), x, scale_fmt=scale_fmt)
+    yr, sr = on_cpu(_act_quant_twin, x, scale_fmt=scale_fmt)
     assert_bits_equal(s, sr, "act_quant scales vs twin")
     assert_bits_equal(y, yr, "act_quant values vs twin")
     if oracle_numpy:
@@ -123,13 +128,13 @@ def check_act_quant(x, scale_fmt, tile=None, oracle_numpy=True):
     if scale_fmt == "ue8m0":
         mant, _ = np.frexp(s64)
         assert (mant == 0.5).all(), "ue8m0 scales must be exact powers of two"
-    xf = np.asarray(jnp.asarray(x, jnp.float32), np.float64).reshape(*s.shape, 128)
-    deq = np.asarray(y.astype(jnp.float32), np.float64).reshape(xf.shape) * s64[..., None]
+    xf = np.asarray(x).astype(np.float64).reshape(*s.shape, 128)
+    deq = np.asarray(y).astype(np.float64).reshape(xf.shape) * s64[..., None]
     # e4m3: 3 mantissa bits -> half-ulp relative error 2^-4; subnormal step 2^-9 (half: 2^-10).
     tol = np.maximum(np.abs(xf) * 2.0**-4, s64[..., None] * 2.0**-10) * (1 + 1e-6)
     assert (np.abs(deq - xf) <= tol).all(), "y * s does not reconstruct x within e4m3 rounding"
     amax = np.abs(xf).max(-1)
-    assert (np.abs(np.asarray(y.astype(jnp.float32))) <= 448).all()
+    assert (np.abs(np.asarray(y).astype(np.float32)) <= 448).all()
     assert (s64 >= np.maximum(amax, np.float32(1e-4)) / 448 * (1 - 1e-6)).all()
     return y, s
 
@@ -141,7 +146,7 @@ def check_weight_dequant(w, s, out_dtype=jnp.bfloat16, tile=None):
     else:
         out = WD._weight_dequant(w, s, jnp.dtype(out_dtype), WD.use_interpret(), tile)
     assert out.shape == w.shape and out.dtype == jnp.dtype(out_dtype)
-    ref = on_cpu(jax.jit(weight_dequant_ref, static_argnames="out_dtype"), w, s, out_dtype=out_dtype)
+    ref = on_cpu(_weight_dequant_twin, w, s, out_dtype=out_dtype)
     assert_bits_equal(out, ref, "weight_dequant vs twin")
     # Independent: IEEE float32 product in numpy, then the same cast.
     m, n = w.shape
@@ -156,11 +161,11 @@ def check_weight_dequant(w, s, out_dtype=jnp.bfloat16, tile=None):
 def numpy_gemm(a, a_s, b, b_s):
     """float64 C = dequant(A) @ dequant(B)^T, the operands dequantised exactly."""
     k = a.shape[-1]
-    a64 = np.asarray(a.astype(jnp.float32), np.float64).reshape(-1, k // 128, 128)
+    a64 = np.asarray(a).astype(np.float64).reshape(-1, k // 128, 128)
     a64 = (a64 * np.asarray(a_s, np.float64).reshape(-1, k // 128, 1)).reshape(-1, k)
     n = b.shape[0]
     sb = np.repeat(np.asarray(b_s, np.float64), 128, axis=0)[:n]  # (n, k/128)
-    b64 = (np.asarray(b.astype(jnp.float32), np.float64).reshape(n, k // 128, 128) * sb[..., None]).reshape(n, k)
+    b64 = (np.asarray(b).astype(np.float64).reshape(n, k // 128, 128) * sb[..., None]).reshape(n, k)
     return (a64 @ b64.T).reshape(*a.shape[:-1], n)
 
 
@@ -191,7 +196,9 @@ def rel_l2(got, want) -> float:
 
 
 def gemm_operands(rng, lead, n, k, dtype=jnp.bfloat16):
-    a, a_s = act_quant(activations(rng, (*lead, k), dtype, special_blocks=False))
+    """A quantised by the numpy oracle (act_quant's bits, as the act_quant tests check, without a
+    kernel run per shape) and an fp8 weight B with its scales."""
+    a, a_s = map(jax.device_put, numpy_act_quant(activations(rng, (*lead, k), dtype, special_blocks=False), None))
     b, b_s = fp8_weight(rng, n, k)
     return a, a_s, b, b_s
 

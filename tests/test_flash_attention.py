@@ -12,6 +12,10 @@ masked by kv_start <= t <= positions[b, s]), sharing no code with the kernels. O
   * the compiled twin's temporary memory grows with S, never with S x T;
   * the kernel lowers for CUDA at V2-Lite and V3 shapes (the whole Pallas -> Mosaic GPU lowering).
 With -m gpu: the compiled kernel at V2-Lite (16) and V3 (128) head counts, ragged positions.
+
+On the CPU the twins and the interpreted kernel run under `jax.jit` (`twin`, `dense`, `mosaic`: one
+program per shape, as in the model; the `auto` tests compare with the twin called eagerly) and the
+operands go to the device already in their dtype (`jax.device_put`: no conversion programs).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -31,6 +36,11 @@ from pallas_kernels.reference import attention_dense_ref
 
 D_QK, D_V = 192, 128  # DeepSeek MLA: nope 128 + rope 64, value 128
 BF16_ULP = 2.0 ** -8  # bf16 spacing in [1, 2)
+NUMPY_DTYPES = {jnp.float32: np.float32, jnp.bfloat16: ml_dtypes.bfloat16}
+
+twin = jax.jit(flash_attention_ref, static_argnames=("scale", "kv_start", "block_kv", "block_q"))
+dense = jax.jit(attention_dense_ref, static_argnames=("scale", "kv_start"))
+mosaic = jax.jit(flash_attention_mgpu, static_argnames=("scale", "kv_start", "tiles", "interpret"))
 
 
 def seed(name: str) -> np.random.Generator:
@@ -40,7 +50,7 @@ def seed(name: str) -> np.random.Generator:
 def operands(rng, b, s, h, t, dtype, d_qk=D_QK, d_v=D_V):
     q, k = rng.standard_normal((b, s, h, d_qk)), rng.standard_normal((b, t, h, d_qk))
     v = rng.standard_normal((b, t, h, d_v))
-    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+    return tuple(jax.device_put(x.astype(NUMPY_DTYPES[dtype])) for x in (q, k, v))
 
 
 def dense64(q, k, v, positions, scale, kv_start=0):
@@ -59,7 +69,7 @@ def dense64(q, k, v, positions, scale, kv_start=0):
 
 def ragged_positions(rows: int, starts) -> jnp.ndarray:
     """Each batch row a chunk of `rows` consecutive positions from its own start."""
-    return jnp.asarray(np.stack([np.arange(rows) + s for s in starts]), jnp.int32)
+    return jax.device_put(np.stack([np.arange(rows) + s for s in starts]).astype(np.int32))
 
 
 def pointer_operands(b, s, h, t, dtype, first: bool):
@@ -75,7 +85,7 @@ def pointer_operands(b, s, h, t, dtype, first: bool):
     v = np.zeros((b, t, h, D_V))
     v[..., 0] = (t_idx // 16)[None, :, None]
     v[..., 1] = (t_idx % 16)[None, :, None]
-    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+    return tuple(jax.device_put(x.astype(NUMPY_DTYPES[dtype])) for x in (q, k, v))
 
 
 def pointer_expected(positions, kv_start, t, first: bool):
@@ -105,18 +115,18 @@ def test_twin_matches_float64(s, t, starts, kv_start, block, block_q):
     q, k, v = operands(rng, len(starts), s, 3, t, jnp.float32)
     pos = ragged_positions(s, starts)
     scale = D_QK ** -0.5
-    got = flash_attention_ref(q, k, v, pos, scale=scale, kv_start=kv_start, block_kv=block, block_q=block_q)
+    got = twin(q, k, v, pos, scale=scale, kv_start=kv_start, block_kv=block, block_q=block_q)
     want = dense64(q, k, v, pos, scale, kv_start)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=2e-6)
     # the materialised jnp reference (the benchmark's XLA baseline) is the same function
-    dense = attention_dense_ref(q, k, v, pos, scale=scale, kv_start=kv_start)
-    np.testing.assert_allclose(np.asarray(dense), want, rtol=2e-6, atol=2e-6)
+    materialised = dense(q, k, v, pos, scale=scale, kv_start=kv_start)
+    np.testing.assert_allclose(np.asarray(materialised), want, rtol=2e-6, atol=2e-6)
 
 
 def test_twin_rows_that_see_nothing_are_zero():
     q, k, v = operands(seed("nothing"), 2, 8, 2, 128, jnp.float32)
     pos = ragged_positions(8, (10, 90))  # with kv_start 80 the first row's queries see no key
-    got = np.asarray(flash_attention_ref(q, k, v, pos, scale=0.1, kv_start=80))
+    got = np.asarray(twin(q, k, v, pos, scale=0.1, kv_start=80))
     assert np.all(got[0] == 0) and np.all(np.isfinite(got))
     np.testing.assert_allclose(got, dense64(q, k, v, pos, 0.1, 80), rtol=2e-6, atol=2e-6)
 
@@ -125,7 +135,7 @@ def test_twin_rows_that_see_nothing_are_zero():
 def test_twin_points_at_the_mask_boundary(first, kv_start, block_q):
     pos = ragged_positions(24, (100, 3, 60))
     q, k, v = pointer_operands(3, 24, 2, 192, jnp.float32, first)
-    got = flash_attention_ref(q, k, v, pos, scale=0.125, kv_start=kv_start, block_kv=64, block_q=block_q)
+    got = twin(q, k, v, pos, scale=0.125, kv_start=kv_start, block_kv=64, block_q=block_q)
     want = pointer_expected(pos, kv_start, 192, first)[..., None]
     np.testing.assert_array_equal(decode_pointer(got), np.broadcast_to(want, got.shape[:-1]))
 
@@ -141,8 +151,8 @@ def test_twin_temporaries_do_not_grow_with_s_times_t(block_q):
     """S = T from 1024 to 4096 multiplies S x T by 16 and S by 4: the twin's temporaries (the
     float32 accumulator, one key block's scores, the output) grow at most about 4x, the
     materialised path's ~16x. (Default chunk: all rows at this size; 512: 2 and 8 chunks.)"""
-    twin = functools.partial(flash_attention_ref, block_q=block_q)
-    small, large = _temp_bytes(twin, 1024, 1024), _temp_bytes(twin, 4096, 4096)
+    chunked = functools.partial(flash_attention_ref, block_q=block_q)
+    small, large = _temp_bytes(chunked, 1024, 1024), _temp_bytes(chunked, 4096, 4096)
     assert large < 5 * small, (small, large)
     score_bytes = 4096 * 4096 * 2 * 4  # one float32 (S, H, T) score tensor at the large size
     assert large < score_bytes / 4, (large, score_bytes)
@@ -167,7 +177,7 @@ def test_bounds_classify_key_blocks():
     pos = rng.integers(-3, t + 40, size=(3, 256)).astype(np.int32)
     pos[0, :rows] = np.arange(rows) + 250  # a contiguous chunk
     for kv_start in (0, 70, 128):
-        bounds = np.asarray(kv_block_bounds(jnp.asarray(pos), rows, t, kv_start, bq, bkv))
+        bounds = np.asarray(jax.jit(kv_block_bounds, static_argnums=(1, 2, 3, 4, 5))(pos, rows, t, kv_start, bq, bkv))
         for b in range(3):
             for blk in range(256 // bq):
                 p = pos[b, blk * bq:(blk + 1) * bq][: max(0, rows - blk * bq)]
@@ -224,18 +234,20 @@ def check_kernel(got, q, k, v, pos, scale, kv_start):
     want = dense64(q, k, v, pos, scale, kv_start)
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
     assert np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2)) < 5e-3
-    twin = np.asarray(flash_attention_ref(q, k, v, pos, scale=scale, kv_start=kv_start), np.float32)
-    np.testing.assert_allclose(got, twin, rtol=0, atol=2 * BF16_ULP * max(1.0, np.abs(twin).max()))
+    same_rounding = np.asarray(twin(q, k, v, pos, scale=scale, kv_start=kv_start), np.float32)
+    np.testing.assert_allclose(got, same_rounding, rtol=0, atol=2 * BF16_ULP * max(1.0, np.abs(same_rounding).max()))
 
 
-@pytest.mark.parametrize("s,t,starts,kv_start,tiles", [
-    (200, 384, (150, 7), 70, None),                                          # S ragged, kv_start mid-block
-    (128, 256, (0, 128), 0, FlashTiles(block_kv=64, max_concurrent_steps=3)),  # full causal + a cached row
+@pytest.mark.parametrize("s,t,starts,kv_start,tiles,heads", [
+    # S ragged over 2 query tiles, kv_start mid-block; one head (each head is a CTA of its own, and the
+    # interpreter's time grows faster than the CTA count): the next case reads 2 heads
+    (200, 384, (150, 7), 70, None, 1),
+    (128, 256, (0, 128), 0, FlashTiles(block_kv=64, max_concurrent_steps=3), 2),  # full causal + a cached row
 ])
-def test_mosaic_interpret_matches_float64(s, t, starts, kv_start, tiles):
-    q, k, v = operands(seed(f"mosaic-{s}-{t}"), len(starts), s, 2, t, jnp.bfloat16)
+def test_mosaic_interpret_matches_float64(s, t, starts, kv_start, tiles, heads):
+    q, k, v = operands(seed(f"mosaic-{s}-{t}"), len(starts), s, heads, t, jnp.bfloat16)
     pos = ragged_positions(s, starts)
-    got = flash_attention_mgpu(q, k, v, pos, scale=D_QK ** -0.5, kv_start=kv_start, tiles=tiles, interpret=True)
+    got = mosaic(q, k, v, pos, scale=D_QK ** -0.5, kv_start=kv_start, tiles=tiles, interpret=True)
     check_kernel(got, q, k, v, pos, D_QK ** -0.5, kv_start)
 
 
@@ -243,7 +255,7 @@ def test_mosaic_interpret_matches_float64(s, t, starts, kv_start, tiles):
 def test_mosaic_interpret_points_at_the_mask_boundary(first, kv_start):
     pos = ragged_positions(128, (120, 3))  # row 0 straddles the 128-key block boundary
     q, k, v = pointer_operands(2, 128, 1, 256, jnp.bfloat16, first)
-    got = flash_attention_mgpu(q, k, v, pos, scale=0.125, kv_start=kv_start, interpret=True)
+    got = mosaic(q, k, v, pos, scale=0.125, kv_start=kv_start, interpret=True)
     want = pointer_expected(pos, kv_start, 256, first)[..., None]
     np.testing.assert_array_equal(decode_pointer(got), np.broadcast_to(want, got.shape[:-1]))
 
@@ -251,9 +263,10 @@ def test_mosaic_interpret_points_at_the_mask_boundary(first, kv_start):
 def test_mosaic_interpret_rows_that_see_nothing_are_zero():
     q, k, v = operands(seed("mosaic-nothing"), 1, 128, 1, 256, jnp.bfloat16)
     pos = ragged_positions(128, (150,))  # kv_start 200: the first 50 rows see nothing, the rest keys 200..
-    got = np.asarray(flash_attention_mgpu(q, k, v, pos, scale=0.1, kv_start=200, interpret=True), np.float32)
+    out = mosaic(q, k, v, pos, scale=0.1, kv_start=200, interpret=True)
+    got = np.asarray(out, np.float32)
     assert np.all(got[0, :50] == 0) and np.all(np.abs(got[0, 50:]).sum(axis=-1) > 0) and np.all(np.isfinite(got))
-    check_kernel(jnp.asarray(got, jnp.bfloat16), q, k, v, pos, 0.1, 200)
+    check_kernel(out, q, k, v, pos, 0.1, 200)
 
 
 @pytest.mark.parametrize("b,s,h,t,kv_start,tiles", [

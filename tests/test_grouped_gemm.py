@@ -1,12 +1,26 @@
 """The Pallas grouped GEMMs (plain, row-scaled, swiglu) against float64 numpy (interpret mode on a CPU;
-compiled with -m gpu)."""
+compiled with -m gpu).
+
+The kernels run under `jax.jit` (`gemm`, `swiglu`: one program per shape, its tile schedule and
+padding inside it, as in the model), except in test_layer_of_a_weight_stack and
+test_swiglu_bf16_matches_its_twin, which call them eagerly. Operands go to the device with
+`jax.device_put` of numpy arrays already in their dtype (no conversion program of their own), and
+the oracles index numpy copies of them.
+"""
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from pallas_kernels.grouped import COVERED, grouped_gemm, grouped_gemm_swiglu, row_schedule, tile_schedule
 from pallas_kernels.reference import grouped_gemm_ref, grouped_gemm_swiglu_ref
+
+_STATIC = ("out_dtype", "block_m", "block_n", "num_warps", "num_stages")
+gemm = jax.jit(grouped_gemm, static_argnames=_STATIC)
+swiglu = jax.jit(grouped_gemm_swiglu, static_argnames=_STATIC)
+twin = jax.jit(grouped_gemm_ref, static_argnames=("out_dtype",))
+put = jax.device_put
 
 CASES = [  # (rows per group, N, K, block_m, block_n)
     ([1, 0, 2, 0, 0, 3, 0, 0], 96, 256, 16, 64),  # decode: a few rows, most experts idle, N not a multiple of 64
@@ -30,22 +44,21 @@ def float64_oracle(x, w, sizes, scale=None):
     return out
 
 
-def _inputs(rng, sizes, n, k, extra_rows=0, fp8=False, dtype=jnp.float32):
+def _inputs(rng, sizes, n, k, extra_rows=0, fp8=False, dtype=np.float32):
     m = sum(sizes) + extra_rows
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((len(sizes), n, k)).astype(np.float32)
     scale = None
     if fp8:
-        w = (w * 40).astype(jnp.float8_e4m3fn)
+        w = (w * 40).astype(ml_dtypes.float8_e4m3fn)
         scale = rng.uniform(0.001, 0.05, (len(sizes), -(-n // 128), k // 128)).astype(np.float32)
-    return jnp.asarray(x, dtype), jnp.asarray(w if fp8 else w, None if fp8 else dtype), scale
+    return put(x.astype(dtype)), put(w if fp8 else w.astype(dtype)), scale
 
 
 def check(sizes, n, k, block_m, block_n, fp8, extra_rows=3):
     rng = np.random.default_rng(sum(sizes) + n)
     x, w, scale = _inputs(rng, sizes, n, k, extra_rows, fp8)
-    got = np.asarray(grouped_gemm(x, w, jnp.array(sizes, jnp.int32), None if scale is None else jnp.asarray(scale),
-                                  block_m=block_m, block_n=block_n))
+    got = np.asarray(gemm(x, w, np.array(sizes, np.int32), scale, block_m=block_m, block_n=block_n))
     expected = float64_oracle(np.asarray(x)[: sum(sizes)], w, sizes, scale)
     rel = np.linalg.norm(got[: sum(sizes)] - expected) / np.linalg.norm(expected)
     assert rel < 1e-5, rel
@@ -67,19 +80,18 @@ def check_fused(sizes, n, k, block_m, block_n, fp8, extra_rows=3):
     rng = np.random.default_rng(sum(sizes) + n + 1)
     x, w1, s1 = _inputs(rng, sizes, n, k, extra_rows, fp8)
     _, w3, s3 = _inputs(rng, sizes, n, k, extra_rows, fp8)
-    scales = () if not fp8 else (jnp.asarray(s1), jnp.asarray(s3))
-    group_sizes, used = jnp.array(sizes, jnp.int32), sum(sizes)
-    got = np.asarray(grouped_gemm_swiglu(x, w1, w3, group_sizes, *scales, block_m=block_m, block_n=block_n))
+    scales = () if not fp8 else (s1, s3)
+    group_sizes, used = np.array(sizes, np.int32), sum(sizes)
+    got = np.asarray(swiglu(x, w1, w3, group_sizes, *scales, block_m=block_m, block_n=block_n))
     xs = np.asarray(x)[:used]
     expected = _silu(float64_oracle(xs, w1, sizes, s1)) * float64_oracle(xs, w3, sizes, s3)
     assert got.dtype == np.float32
     rel = np.linalg.norm(got[:used] - expected) / np.linalg.norm(expected)
     assert rel < 1e-5, rel
     assert not np.any(got[used:]), "rows past the groups must be zero"
-    row_scale = jnp.asarray(rng.uniform(-2, 2, x.shape[0]), jnp.float32)
-    got = np.asarray(grouped_gemm(x, w1, group_sizes, s1 if s1 is None else jnp.asarray(s1), row_scale=row_scale,
-                                  block_m=block_m, block_n=block_n))
-    expected = float64_oracle(xs, w1, sizes, s1) * np.asarray(row_scale, np.float64)[:used, None]
+    row_scale = rng.uniform(-2, 2, x.shape[0]).astype(np.float32)
+    got = np.asarray(gemm(x, w1, group_sizes, s1, row_scale=row_scale, block_m=block_m, block_n=block_n))
+    expected = float64_oracle(xs, w1, sizes, s1) * row_scale.astype(np.float64)[:used, None]
     rel = np.linalg.norm(got[:used] - expected) / np.linalg.norm(expected)
     assert rel < 1e-5, rel
     assert not np.any(got[used:]), "rows past the groups must be zero"
@@ -96,10 +108,10 @@ def test_swiglu_bf16_matches_its_twin(fp8):
     """bfloat16 x (and weights, or fp8 ones dequantised to bfloat16): h in bfloat16, as the twin."""
     rng = np.random.default_rng(7)
     sizes = [1, 0, 2, 0, 0, 3, 0, 0]
-    x, w1, s1 = _inputs(rng, sizes, 96, 256, 2, fp8, dtype=jnp.bfloat16)
-    _, w3, s3 = _inputs(rng, sizes, 96, 256, 2, fp8, dtype=jnp.bfloat16)
-    scales = () if not fp8 else (jnp.asarray(s1), jnp.asarray(s3))
-    group_sizes = jnp.array(sizes, jnp.int32)
+    x, w1, s1 = _inputs(rng, sizes, 96, 256, 2, fp8, dtype=ml_dtypes.bfloat16)
+    _, w3, s3 = _inputs(rng, sizes, 96, 256, 2, fp8, dtype=ml_dtypes.bfloat16)
+    scales = () if not fp8 else (put(s1), put(s3))
+    group_sizes = put(np.array(sizes, np.int32))
     got = grouped_gemm_swiglu(x, w1, w3, group_sizes, *scales)
     want = grouped_gemm_swiglu_ref(x, w1, w3, group_sizes, *scales)
     assert got.dtype == jnp.bfloat16 and want.dtype == jnp.bfloat16
@@ -113,28 +125,27 @@ def test_fused_kernels_read_a_layer_of_a_weight_stack(fp8):
     """swiglu and row-scaled down kernels with `layer` read w[layer] of (L, G, N, K) stacks."""
     rng = np.random.default_rng(9)
     sizes, n, k, layers = [2, 0, 3], 160, 256, 3
-    x = jnp.asarray(rng.standard_normal((6, k)), jnp.float32)
+    x = rng.standard_normal((6, k)).astype(np.float32)
     stacks = []
     for _ in range(2):
         w = rng.standard_normal((layers, len(sizes), n, k)).astype(np.float32)
         scale = None
         if fp8:
-            w = (w * 40).astype(jnp.float8_e4m3fn)
+            w = (w * 40).astype(ml_dtypes.float8_e4m3fn)
             scale = rng.uniform(0.001, 0.05, (layers, len(sizes), 2, k // 128)).astype(np.float32)
-        stacks.append((jnp.asarray(w), scale))
+        stacks.append((w, scale))
     (w1, s1), (w3, s3) = stacks
-    scales = () if not fp8 else (jnp.asarray(s1), jnp.asarray(s3))
-    row_scale = jnp.asarray(rng.uniform(0, 1, 6), jnp.float32)
-    group_sizes = jnp.array(sizes, jnp.int32)
+    scales = () if not fp8 else (s1, s3)
+    row_scale = rng.uniform(0, 1, 6).astype(np.float32)
+    group_sizes = np.array(sizes, np.int32)
     for layer in (0, 2):
         pick = lambda s: None if s is None else s[layer]  # noqa: E731
-        got = np.asarray(grouped_gemm_swiglu(x, w1, w3, group_sizes, *scales, layer=jnp.int32(layer)))
+        got = np.asarray(swiglu(x, w1, w3, group_sizes, *scales, layer=np.int32(layer)))
         expected = (_silu(float64_oracle(x[:5], w1[layer], sizes, pick(s1)))
                     * float64_oracle(x[:5], w3[layer], sizes, pick(s3)))
         assert np.linalg.norm(got[:5] - expected) / np.linalg.norm(expected) < 1e-5
-        got = np.asarray(grouped_gemm(x, w1, group_sizes, None if s1 is None else jnp.asarray(s1),
-                                      layer=jnp.int32(layer), row_scale=row_scale))
-        expected = float64_oracle(x[:5], w1[layer], sizes, pick(s1)) * np.asarray(row_scale, np.float64)[:5, None]
+        got = np.asarray(gemm(x, w1, group_sizes, s1, layer=np.int32(layer), row_scale=row_scale))
+        expected = float64_oracle(x[:5], w1[layer], sizes, pick(s1)) * row_scale.astype(np.float64)[:5, None]
         assert np.linalg.norm(got[:5] - expected) / np.linalg.norm(expected) < 1e-5
         assert not np.any(got[5:])
 
@@ -147,36 +158,34 @@ def test_row_groups_interpret(fp8, rows):
     rng = np.random.default_rng(11)
     groups, n, k, layers = 5, 160, 256, 2
     row_groups = np.resize(np.array([3, -1, 0, 3, 4, 5, 1, 0], np.int32), rows)
-    x = jnp.asarray(rng.standard_normal((len(row_groups), k)), jnp.float32)
+    x = rng.standard_normal((len(row_groups), k)).astype(np.float32)
     stacks = []
     for _ in range(2):
         w = rng.standard_normal((layers, groups, n, k)).astype(np.float32)
         scale = None
         if fp8:
-            w = (w * 40).astype(jnp.float8_e4m3fn)
+            w = (w * 40).astype(ml_dtypes.float8_e4m3fn)
             scale = rng.uniform(0.001, 0.05, (layers, groups, 2, k // 128)).astype(np.float32)
-        stacks.append((jnp.asarray(w), scale))
+        stacks.append((w, scale))
     (w1, s1), (w3, s3) = stacks
-    row_scale = jnp.asarray(rng.uniform(-2, 2, len(row_groups)), jnp.float32)
+    row_scale = rng.uniform(-2, 2, len(row_groups)).astype(np.float32)
     named = (row_groups >= 0) & (row_groups < groups)
 
     def oracle(w, scale, layer):
         out = np.zeros((len(row_groups), n))
         for r, g in enumerate(row_groups):
             if 0 <= g < groups:
-                out[r] = float64_oracle(np.asarray(x)[r:r + 1], w[layer][g:g + 1], [1],
+                out[r] = float64_oracle(x[r:r + 1], w[layer][g:g + 1], [1],
                                         None if scale is None else scale[layer][g:g + 1])[0]
         return out
 
     for layer in (0, 1):
-        scales = () if not fp8 else (jnp.asarray(s1), jnp.asarray(s3))
-        got = np.asarray(grouped_gemm(x, w1, None, scales[0] if fp8 else None, row_groups=jnp.asarray(row_groups),
-                                      layer=jnp.int32(layer), row_scale=row_scale))
-        want = oracle(w1, s1, layer) * np.asarray(row_scale, np.float64)[:, None]
+        scales = () if not fp8 else (s1, s3)
+        got = np.asarray(gemm(x, w1, None, s1, row_groups=row_groups, layer=np.int32(layer), row_scale=row_scale))
+        want = oracle(w1, s1, layer) * row_scale.astype(np.float64)[:, None]
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
         assert not np.any(got[~named]), "rows naming no group must be zero"
-        got = np.asarray(grouped_gemm_swiglu(x, w1, w3, None, *scales, row_groups=jnp.asarray(row_groups),
-                                             layer=jnp.int32(layer)))
+        got = np.asarray(swiglu(x, w1, w3, None, *scales, row_groups=row_groups, layer=np.int32(layer)))
         want = _silu(oracle(w1, s1, layer)) * oracle(w3, s3, layer)
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
         assert not np.any(got[~named])
@@ -188,11 +197,11 @@ def _shared_case(rng, fp8: bool, groups: int, chunks: int, n: int, k: int):
     def weight(shape):
         w = rng.standard_normal(shape).astype(np.float32)
         if not fp8:
-            return jnp.asarray(w), None
+            return w, None
         scale = rng.uniform(0.001, 0.05, tuple(-(-d // 128) for d in shape[-2:])).astype(np.float32)
         if len(shape) > 2:
             scale = rng.uniform(0.001, 0.05, shape[:-2] + scale.shape).astype(np.float32)
-        return jnp.asarray((w * 40).astype(jnp.float8_e4m3fn)), jnp.asarray(scale)
+        return (w * 40).astype(ml_dtypes.float8_e4m3fn), scale
     routed = [weight((2, groups, n, k)) for _ in range(3)]
     shared = [weight((2, chunks * n, k)), weight((2, chunks * n, k)), weight((2, n, chunks * k))]
     return routed, shared
@@ -221,8 +230,8 @@ def test_shared_chunks_run_as_more_groups(fp8):
     # 3, 4: shared chunks 0, 1; -1 and 5 name none. Single shared rows, then runs of one chunk longer and
     # shorter than a tile (16 rows), which the kernel reads in merged tiles (a wrong tile end misses rows)
     row_groups = np.array([4, 0, 3, -1, 2, 4, 3, 5] + [3] * 18 + [4] * 3 + [1], np.int32)
-    x = jnp.asarray(rng.standard_normal((len(row_groups), k)), jnp.float32)
-    row_scale = jnp.asarray(rng.uniform(-2, 2, len(row_groups)), jnp.float32)
+    x = rng.standard_normal((len(row_groups), k)).astype(np.float32)
+    row_scale = rng.uniform(-2, 2, len(row_groups)).astype(np.float32)
 
     def weights64(routed_w, routed_s, shared_w, shared_s, axis):
         """Per row, the float64 (N, K) weight its group names (None: no group)."""
@@ -245,28 +254,26 @@ def test_shared_chunks_run_as_more_groups(fp8):
     a1 = product(weights64(w1, s1, sw1, ss1, "n"), xs)
     a3 = product(weights64(w3, s3, sw3, ss3, "n"), xs)
     want_h = _silu(a1) * a3
-    kw = dict(row_groups=jnp.asarray(row_groups), layer=jnp.int32(layer))
-    h = grouped_gemm_swiglu(x, w1, w3, None, s1, s3, shared_w1=sw1, shared_w3=sw3, shared_w1_scale=ss1,
-                            shared_w3_scale=ss3, **kw)
+    kw = dict(row_groups=row_groups, layer=np.int32(layer))
+    h = swiglu(x, w1, w3, None, s1, s3, shared_w1=sw1, shared_w3=sw3, shared_w1_scale=ss1, shared_w3_scale=ss3, **kw)
     assert np.linalg.norm(np.asarray(h) - want_h) / np.linalg.norm(want_h) < 1e-5
     # the down projection: routed (G, N, K) stand-ins and the shared (N, S K) chunked along K, one layer of each
-    h_in = jnp.asarray(rng.standard_normal((len(row_groups), k)), jnp.float32)
+    h_in = rng.standard_normal((len(row_groups), k)).astype(np.float32)
     w2, s2 = routed[0][2]
     want = product(weights64(w2, s2, sw2, ss2, "k"), np.asarray(h_in, np.float64)) * np.asarray(row_scale)[:, None]
     one = lambda a: None if a is None else a[layer]  # noqa: E731
-    got = np.asarray(grouped_gemm(h_in, one(w2), None, one(s2), shared_w=one(sw2), shared_w_scale=one(ss2),
-                                  row_scale=row_scale, row_groups=jnp.asarray(row_groups)))
+    got = np.asarray(gemm(h_in, one(w2), None, one(s2), shared_w=one(sw2), shared_w_scale=one(ss2),
+                          row_scale=row_scale, row_groups=row_groups))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
     named = (row_groups >= 0) & (row_groups < groups + chunks)
     assert not np.any(got[~named]) and not np.any(np.asarray(h)[~named])
     # the twin (used under shard_map's interpreter) states the same
+    routed_w2 = w2[layer] if s2 is None else _dequant64(w2, s2)[layer]
+    groups_w = np.concatenate([routed_w2, np.stack([_dequant64(sw2, ss2)[layer, :, c * k:(c + 1) * k]
+                                                    for c in range(chunks)])]).astype(np.float32)
     with jax.default_device(jax.devices()[0]):
-        twin = grouped_gemm_ref(h_in, jnp.concatenate([w2[layer].astype(jnp.float32) if s2 is None else
-                                                       jnp.asarray(_dequant64(w2, s2)[layer], jnp.float32),
-                                                       jnp.asarray(np.stack([_dequant64(sw2, ss2)[layer, :, c * k:(c + 1) * k]
-                                                                             for c in range(chunks)]), jnp.float32)]),
-                                None, row_scale=row_scale, row_groups=jnp.asarray(row_groups))
-    assert np.linalg.norm(np.asarray(twin) - want) / np.linalg.norm(want) < 1e-5
+        stated = twin(h_in, groups_w, None, row_scale=row_scale, row_groups=row_groups)
+    assert np.linalg.norm(np.asarray(stated) - want) / np.linalg.norm(want) < 1e-5
 
 
 def test_shared_chunks_are_checked():
@@ -288,9 +295,9 @@ def test_row_groups_twin_matches_sorted_groups():
     rng = np.random.default_rng(12)
     sizes = [2, 0, 3, 1]
     x, w, _ = _inputs(rng, sizes, 64, 128)
-    row_groups = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes), jnp.int32)
-    a = grouped_gemm_ref(x, w, jnp.array(sizes, jnp.int32))
-    b = grouped_gemm_ref(x, w, None, row_groups=row_groups)
+    row_groups = np.repeat(np.arange(len(sizes)), sizes).astype(np.int32)
+    a = twin(x, w, np.array(sizes, np.int32))
+    b = twin(x, w, None, row_groups=row_groups)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
@@ -312,8 +319,8 @@ def test_twins_inside_shard_map_match_the_kernels():
     sizes = [0, 3, 1, 0]
     x, w1, _ = _inputs(rng, sizes, 128, 128, 1)
     _, w3, _ = _inputs(rng, sizes, 128, 128, 1)
-    row_scale = jnp.asarray(rng.uniform(0, 1, x.shape[0]), jnp.float32)
-    group_sizes = jnp.array(sizes, jnp.int32)
+    row_scale = rng.uniform(0, 1, x.shape[0]).astype(np.float32)
+    group_sizes = np.array(sizes, np.int32)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
 
     def both(x, w1, w3, g, r):
@@ -322,7 +329,8 @@ def test_twins_inside_shard_map_match_the_kernels():
 
     sharded = jax.jit(jax.shard_map(lambda *a: both(*a), mesh=mesh, in_specs=(P("model"),) * 5,
                                     out_specs=(P("model"), P("model"))))
-    for got, want in zip(sharded(x, w1, w3, group_sizes, row_scale), both(x, w1, w3, group_sizes, row_scale)):
+    kernels = jax.jit(both)(x, w1, w3, group_sizes, row_scale)
+    for got, want in zip(sharded(x, w1, w3, group_sizes, row_scale), kernels):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
 
@@ -331,14 +339,15 @@ def test_layer_of_a_weight_stack():
     """With `layer`, the kernel reads w[layer] of a (L, G, N, K) stack itself."""
     rng = np.random.default_rng(5)
     sizes = [2, 0, 3]
-    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.float32)
-    stack = jnp.asarray(rng.standard_normal((4, 3, 64, 256)), jnp.float32)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    stack = rng.standard_normal((4, 3, 64, 256)).astype(np.float32)
+    group_sizes = put(np.array(sizes, np.int32))
     for layer in (0, 2):
-        got = np.asarray(grouped_gemm(x, stack, jnp.array(sizes, jnp.int32), layer=jnp.int32(layer)))
+        got = np.asarray(grouped_gemm(put(x), put(stack), group_sizes, layer=jnp.int32(layer)))
         expected = float64_oracle(x, stack[layer], sizes)
         assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 1e-5
     with pytest.raises(ValueError, match="goes with `layer`"):
-        grouped_gemm(x, stack, jnp.array(sizes, jnp.int32))
+        grouped_gemm(put(x), put(stack), group_sizes)
 
 
 def test_tile_schedule_covers_every_row_once():

@@ -17,6 +17,10 @@ from pallas_kernels import GemmConfig, act_quant, fp8_gemm, weight_dequant
 from pallas_kernels.reference import act_quant_ref, fp8_gemm_ref, weight_dequant_ref
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# the twins as the model runs them, one program per shape (not op by op)
+act_quant_twin = jax.jit(act_quant_ref, static_argnames="scale_fmt")
+weight_dequant_twin = jax.jit(weight_dequant_ref, static_argnames="out_dtype")
+fp8_gemm_twin = jax.jit(fp8_gemm_ref, static_argnames="out_dtype")
 
 
 # ---------------------------------------------------------------- act_quant
@@ -59,7 +63,7 @@ def test_ue8m0_rounds_exact_powers_of_two_to_themselves():
 def test_twin_matches_float64_numpy_on_extremes(rng):
     x = activations(rng, (4, 1024), jnp.float32)
     for fmt in (None, "ue8m0"):
-        yr, sr = act_quant_ref(x, scale_fmt=fmt)
+        yr, sr = act_quant_twin(x, scale_fmt=fmt)
         yn, sn = numpy_act_quant(x, fmt)
         np.testing.assert_array_equal(np.asarray(sr), sn)
         np.testing.assert_array_equal(np.asarray(yr).view(np.uint8), yn.view(np.uint8))
@@ -113,7 +117,7 @@ def test_fp8_gemm_reads_a_layer_of_a_stack(rng, rows):
 
 def test_fp8_gemm_twin_matches_numpy(rng):
     a, a_s, b, b_s = gemm_operands(rng, (5,), 200, 512)
-    assert rel_l2(fp8_gemm_ref(a, a_s, b, b_s, out_dtype=jnp.float32), numpy_gemm(a, a_s, b, b_s)) < 1e-6
+    assert rel_l2(fp8_gemm_twin(a, a_s, b, b_s, out_dtype=jnp.float32), numpy_gemm(a, a_s, b, b_s)) < 1e-6
 
 
 def test_default_config_covers_regimes():
@@ -129,11 +133,11 @@ def test_default_config_covers_regimes():
 def test_kernels_under_jit(rng):
     x = activations(rng, (3, 256))
     y, s = jax.jit(act_quant, static_argnames="scale_fmt")(x, scale_fmt="ue8m0")
-    yr, sr = act_quant_ref(x, scale_fmt="ue8m0")
+    yr, sr = act_quant_twin(x, scale_fmt="ue8m0")
     np.testing.assert_array_equal(np.asarray(s), np.asarray(sr))
     w, ws = fp8_weight(rng, 130, 256)
     out = jax.jit(weight_dequant)(w, ws)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(weight_dequant_ref(w, ws), np.float32))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(weight_dequant_twin(w, ws), np.float32))
     c = jax.jit(lambda a, b, bs: fp8_gemm(*act_quant(a, scale_fmt="ue8m0"), b, bs))(x, w, ws)
     assert rel_l2(c.astype(jnp.float32), numpy_gemm(y, s, w, ws)) < gemm_tolerance(c.dtype)
 
@@ -157,7 +161,7 @@ def test_kernels_inside_shard_map(rng, check_vma):
                               out_specs=(P(None, "mp"), P(), P()), check_vma=check_vma))
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     c, q, s = f(put(x, P()), put(b, P("mp")), put(b_s, P("mp")))
-    yr, sr = act_quant_ref(x)
+    yr, sr = act_quant_twin(x)
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(yr).view(np.uint8))
     assert rel_l2(c, numpy_gemm(yr, sr, b, b_s)) < gemm_tolerance(jnp.float32)
 
