@@ -11,7 +11,6 @@ import functools
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -100,9 +99,10 @@ class Model:
         for offset in range(0, tokens.shape[1], chunk):
             piece = tokens[:, offset:offset + chunk]
             end = int(start.max()) + offset + piece.shape[1]
-            logits, self.cache = self.step(self.state, self.cache, jnp.asarray(piece, jnp.int32),
-                                           jnp.asarray(start + offset, jnp.int32),
-                                           jnp.full((piece.shape[0],), piece.shape[1] - 1, jnp.int32),
+            # host int32 operands: an eager jnp conversion would compile a program of its own per shape
+            logits, self.cache = self.step(self.state, self.cache, piece.astype(np.int32),
+                                           (start + offset).astype(np.int32),
+                                           np.full((piece.shape[0],), piece.shape[1] - 1, np.int32),
                                            kv_len=cache_window(end, self.args.max_seq_len))
         return logits
 

@@ -8,7 +8,6 @@ SPEC_PROMPT_LENGTHS), so their steps compile once too."""
 import json
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 import dsv3_jax
@@ -45,11 +44,12 @@ def three_token_distribution(model, prompt, top_k: int, top_p: float) -> tuple[n
     read at three positions (the causal step's logits there see only the tokens up to them): the
     last prompt token, a and b. Three runs of one compiled step."""
     prompt = list(prompt)
-    rows = jnp.asarray([prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)], jnp.int32)  # VOCAB * a + b
-    starts = jnp.zeros(len(rows), jnp.int32)
+    # host operands: eager jnp conversions would each compile a program of their own
+    rows = np.asarray([prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)], np.int32)  # VOCAB * a + b
+    starts = np.zeros(len(rows), np.int32)
 
     def probs(index):
-        logits, model.cache = model.step(model.state, model.cache, rows, starts, jnp.full_like(starts, index),
+        logits, model.cache = model.step(model.state, model.cache, rows, starts, np.full_like(starts, index),
                                          kv_len=cache_window(rows.shape[1], model.args.max_seq_len))
         logits = np.asarray(logits).astype(np.float64)
         p = np.exp(logits - logits.max(-1, keepdims=True))

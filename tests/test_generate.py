@@ -1,6 +1,7 @@
 """Generation: the sampler against exact probabilities, greedy `generate` against Hugging Face's,
 the reference's generate contract, and the compiled steps (no recompilation, no buffer growth,
 the cache donated)."""
+import functools
 import gc
 import logging
 import warnings
@@ -21,11 +22,17 @@ TINY = Path(dsv3_jax.__file__).parent / "assets" / "tiny"
 SAMPLES = 40_000
 
 
+@functools.partial(jax.jit, static_argnames=("top_k", "top_p"))
+def sample_many(logits, temperature, top_k=0, top_p=1.0):
+    """SAMPLES draws per row of `logits`, one key each (split from key 7): (SAMPLES, rows). Logits and
+    temperature are arguments, so that every temperature of one filter runs one compiled program."""
+    keys = jax.random.split(jax.random.key(7), SAMPLES)
+    return jax.vmap(lambda k: gen.sample(logits, temperature, k, top_k=top_k, top_p=top_p))(keys)
+
+
 def draw(logits: np.ndarray, temperature: float, **filters) -> np.ndarray:
     """SAMPLES draws per row, one key each: (SAMPLES, rows)."""
-    keys = jax.random.split(jax.random.key(7), SAMPLES)
-    one = jax.jit(jax.vmap(lambda k: gen.sample(jnp.asarray(logits), jnp.float32(temperature), k, **filters)))
-    return np.asarray(one(keys))
+    return np.asarray(sample_many(logits, np.float32(temperature), **filters))
 
 
 def frequencies(draws: np.ndarray, vocab: int) -> np.ndarray:
