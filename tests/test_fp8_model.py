@@ -111,7 +111,8 @@ def test_fp8_weight_without_scale_is_named(fp8_checkpoint, tmp_path):
 
 def test_fp8_paths_are_exact():
     """Linear and the routed-expert GEMM with gemm_impl "fp8" compute exactly
-    sum(act_quant(x) * a_s * w * w_s) (float64 oracle on the jnp twins' quantisation)."""
+    sum(act_quant(x) * a_s * w * w_s) (float64 oracle on the jnp twins' quantisation). Each computation
+    runs jitted, as the model runs it: one program each, not a program per eager op."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -126,26 +127,27 @@ def test_fp8_paths_are_exact():
     x = rng.standard_normal((5, 256)).astype(np.float32) * np.linspace(0.1, 10, 256).astype(np.float32)
     weight = (rng.standard_normal((3, 192, 256)) * 40).astype(jnp.float8_e4m3fn)
     scale = rng.uniform(0.001, 0.01, (3, 2, 2)).astype(np.float32)
+    act_quant = jax.jit(reference.act_quant_ref, static_argnums=(1, 2))
+    grouped = jax.jit(grouped_matmul, static_argnames=("gemm_impl", "scale_fmt"))
+    rows_per_expert = np.array([2, 0, 3], np.int32)  # rows 0-1 -> expert 0, rows 2-4 -> expert 2
     for scale_fmt in (None, "ue8m0"):
-        xq, xs = reference.act_quant_ref(jnp.asarray(x), 128, scale_fmt)
+        xq, xs = act_quant(x, 128, scale_fmt)
         x_deq = np.asarray(xq, np.float64).reshape(5, 2, 128) * np.asarray(xs, np.float64)[..., None]
         w_deq = np.asarray(weight, np.float64) * np.repeat(np.repeat(scale, 128, 1), 128, 2)[:, :192]
         # Linear (expert 0's matrix), on a 1-device mesh
         linear = Linear(256, 192, fp8=True, param_dtype=jnp.float32, rngs=None)
-        linear.weight.set_value(jnp.asarray(weight[0]))
-        linear.scale.set_value(jnp.asarray(scale[0]))
+        linear.weight.set_value(jax.device_put(weight[0]))
+        linear.scale.set_value(jax.device_put(scale[0]))
         graphdef, state = nnx.split(linear)
-        run = jax.shard_map(lambda s, v: nnx.merge(graphdef, s)(v, gemm_impl="fp8", scale_fmt=scale_fmt),
-                            mesh=make_mesh(1), in_specs=(P(), P()), out_specs=P(), check_vma=False)
-        got = np.asarray(run(state, jnp.asarray(x)))
+        run = jax.jit(jax.shard_map(lambda s, v: nnx.merge(graphdef, s)(v, gemm_impl="fp8", scale_fmt=scale_fmt),
+                                    mesh=make_mesh(1), in_specs=(P(), P()), out_specs=P(), check_vma=False))
+        got = np.asarray(run(state, x))
         expected = x_deq.reshape(5, 256) @ w_deq[0].T
         assert np.abs(got - expected).max() <= 1e-4 * np.abs(expected).max()
-        # grouped GEMM: rows 0-1 -> expert 0, rows 2-4 -> expert 2
-        grouped = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(weight), jnp.asarray(scale),
-                                            jnp.array([2, 0, 3], jnp.int32), gemm_impl="fp8", scale_fmt=scale_fmt))
+        got = np.asarray(grouped(x, weight, scale, rows_per_expert, gemm_impl="fp8", scale_fmt=scale_fmt))
         rows = x_deq.reshape(5, 256)
         expected = np.concatenate([rows[:2] @ w_deq[0].T, rows[2:] @ w_deq[2].T])
-        assert np.abs(grouped - expected).max() <= 1e-4 * np.abs(expected).max()
+        assert np.abs(got - expected).max() <= 1e-4 * np.abs(expected).max()
 
 
 ROUTED_TOKENS = np.random.default_rng(3).integers(0, 512, size=(2, 10))
