@@ -11,7 +11,6 @@ import functools
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -100,9 +99,11 @@ class Model:
         for offset in range(0, tokens.shape[1], chunk):
             piece = tokens[:, offset:offset + chunk]
             end = int(start.max()) + offset + piece.shape[1]
-            logits, self.cache = self.step(self.state, self.cache, jnp.asarray(piece, jnp.int32),
-                                           jnp.asarray(start + offset, jnp.int32),
-                                           jnp.full((piece.shape[0],), piece.shape[1] - 1, jnp.int32),
+            # numpy operands: the step takes them as they are (an eager jnp cast or fill would compile
+            # one small program per chunk shape)
+            logits, self.cache = self.step(self.state, self.cache, np.asarray(piece, np.int32),
+                                           np.asarray(start + offset, np.int32),
+                                           np.full((piece.shape[0],), piece.shape[1] - 1, np.int32),
                                            kv_len=cache_window(end, self.args.max_seq_len))
         return logits
 
