@@ -99,9 +99,10 @@ class Model:
         for offset in range(0, tokens.shape[1], chunk):
             piece = tokens[:, offset:offset + chunk]
             end = int(start.max()) + offset + piece.shape[1]
-            # host int32 operands: an eager jnp conversion would compile a program of its own per shape
-            logits, self.cache = self.step(self.state, self.cache, piece.astype(np.int32),
-                                           (start + offset).astype(np.int32),
+            # numpy operands: the step takes them as they are (an eager jnp cast or fill would compile
+            # one small program per chunk shape)
+            logits, self.cache = self.step(self.state, self.cache, np.asarray(piece, np.int32),
+                                           np.asarray(start + offset, np.int32),
                                            np.full((piece.shape[0],), piece.shape[1] - 1, np.int32),
                                            kv_len=cache_window(end, self.args.max_seq_len))
         return logits

@@ -5,7 +5,6 @@ cached ones, or the absorbed form's latents expanded through wkv_b. Prompts here
 64-key blocks, start at nonzero positions and leave rows at unequal positions, so a wrong mask, block
 boundary or expansion shows in the logits (HF's logits move by O(1) when one key is dropped or added)."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -95,8 +94,8 @@ def logits_at(model, tokens: np.ndarray, indices) -> np.ndarray:
     once per index (each run rewrites the same cache entries)."""
     out = []
     for index in indices:
-        logits, model.cache = model.step(model.state, model.cache, jnp.asarray(tokens, jnp.int32),
-                                         jnp.zeros((1,), jnp.int32), jnp.full((1,), index, jnp.int32),
+        logits, model.cache = model.step(model.state, model.cache, np.asarray(tokens, np.int32),
+                                         np.zeros((1,), np.int32), np.full((1,), index, np.int32),
                                          kv_len=cache_window(tokens.shape[1], model.args.max_seq_len))
         out.append(np.asarray(logits)[0])
     return np.stack(out)

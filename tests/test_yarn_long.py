@@ -8,11 +8,11 @@ The sequence is fed in the same chunks to both models (HF through its own cache)
 
 The models have one (dense) layer: YaRN is one rotary table and one softmax scale shared by every layer,
 so more layers would repeat the same check at several times the cost of the 20,000-key attention."""
-import jax
 import numpy as np
 import pytest
 
 import dsv3_jax
+from optimised_compile import optimised
 
 torch = pytest.importorskip("torch")  # the oracle (test extra)
 pytest.importorskip("transformers")
@@ -74,8 +74,7 @@ def optimised_step(model) -> None:
     times faster. Steps of a few tokens (the decode steps), which run in milliseconds either way, keep the
     quicker compile. The arguments, donation and results are the step's own."""
     short = model.step
-    long = jax.jit(short, static_argnames=("kv_len",), donate_argnums=(1,),
-                   compiler_options={"xla_backend_optimization_level": 2})
+    long = optimised(short, static_argnames=("kv_len",), donate_argnums=(1,))
 
     def step(state, cache, tokens, *positions, kv_len):
         return (short if tokens.shape[1] < 64 else long)(state, cache, tokens, *positions, kv_len=kv_len)
