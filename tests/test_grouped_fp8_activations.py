@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dsv3_jax.model.moe import _kernel_inputs
-from pallas_kernels import act_quant
+from pallas_kernels import MOSAIC_MIN_ROWS, act_quant
 from pallas_kernels.grouped import grouped_gemm, grouped_gemm_swiglu
 from pallas_kernels.reference import grouped_gemm_ref
 
@@ -139,13 +139,15 @@ def test_fp8_activations_compiled_on_gpu():
         test_sorted_groups_with_fp8_activations([0, 1300, 1, 0], 64)  # prefill-sized: still the Triton kernel
 
 
-@pytest.mark.parametrize("rows, one_row_tiles, on_tensor_cores", [(9, True, True), (600, False, True),
-                                                                  (1500, False, False), (1500, True, True)])
+@pytest.mark.parametrize("rows, one_row_tiles, on_tensor_cores", [
+    (9, True, True), (MOSAIC_MIN_ROWS, False, True), (MOSAIC_MIN_ROWS + 1, False, False),
+    (MOSAIC_MIN_ROWS + 1, True, True)])
 def test_moe_feeds_fp8_activations_to_decode_sized_kernels(rows, one_row_tiles, on_tensor_cores):
     """Under gemm_impl "fp8" the MoE hands the grouped kernels act_quant's fp8 pair where they run short row
-    tiles (decode steps, one-row tiles) and, in prefill-sized steps, x rounded through the same act_quant
-    (its fp8 values times their scales, in x's dtype); bf16 weights or gemm_impl "bf16" get x untouched."""
-    x = jnp.asarray(np.random.default_rng(35).standard_normal((rows, K)), jnp.bfloat16)
+    tiles (decode steps up to MOSAIC_MIN_ROWS rows, one-row tiles) and, in prefill-sized steps, x rounded
+    through the same act_quant (its fp8 values times their scales, in x's dtype); bf16 weights or gemm_impl
+    "bf16" get x untouched."""
+    x = jnp.asarray(np.random.default_rng(35).standard_normal((rows, 128)), jnp.bfloat16)
     xq, xs = act_quant(x)
     got, got_scale, tiles = _kernel_inputs(x, True, "fp8", None, one_row_tiles)
     assert tiles["block_m"] == (16 if on_tensor_cores else 64)
