@@ -246,7 +246,7 @@ def mla_absorb_query_ref(q_nope, wkv_b, layer=None, *, wkv_b_scale=None):
 
 
 def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, block_c: int = 128,
-                     num_warps: int = 4) -> jax.Array:
+                     num_warps: int = 4, num_stages: int = 1) -> jax.Array:
     """The decode query in latent space: q_latent[b, h] = q_nope[b, h] @ W[h, :D], in q_nope's dtype
     (float32 accumulation), where W = wkv_b viewed as (H, D + V, C): its key half absorbed into the query.
 
@@ -267,20 +267,21 @@ def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, block_c: in
     kernel = functools.partial(_query_kernel, batch=batch, nope=nope, per_head=w.stack.shape[1] // heads, rank=rank,
                                block_b=block_b, block_c=block_c, fp8=w.scale is not None)
     return _per_head_launch(_QUERY, kernel, (batch, heads, rank), q_nope.dtype,
-                            (cdiv(rank, block_c), cdiv(batch, block_b)), num_warps, interpret,
+                            (cdiv(rank, block_c), cdiv(batch, block_b)), (num_warps, num_stages), interpret,
                             w.layer, q_nope, *w.operands[1:])
 
 
-def _per_head_launch(name: str, kernel, shape, dtype, blocks: tuple, num_warps: int, interpret: bool, layer,
-                     *operands):
+def _per_head_launch(name: str, kernel, shape, dtype, blocks: tuple, launch: tuple[int, int], interpret: bool,
+                     layer, *operands):
     """One pallas_call over a (head, *blocks) grid of `kernel` on `layer` and `operands`, its output `shape`
-    in `dtype`."""
+    in `dtype`; `launch` is Triton's (num_warps, num_stages)."""
     vma = vma_union(*operands)
+    num_warps, num_stages = launch
     return pl.pallas_call(
         kernel,
         out_shape=result(shape, dtype, vma),
         grid=(shape[1], *blocks),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,
     )(*match_vma(vma, layer, *operands))
@@ -322,7 +323,7 @@ def mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, laye
 
 
 def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=None, *, scale: float, v_dim: int,
-                      wkv_b_scale=None, block_v: int = 32, num_warps: int = 4) -> jax.Array:
+                      wkv_b_scale=None, block_v: int = 32, num_warps: int = 4, num_stages: int = 1) -> jax.Array:
     """The end of the absorbed decode attention in one launch: `mla_decode_splits`' partial softmaxes
     (acc, m, l) merged with the new entry's (scored from q_latent, q_pe, new_kv, new_pe as `mla_decode`
     does), the latent output rounded to q_latent's dtype and projected through wkv_b's value half:
@@ -349,7 +350,7 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
                                per_head=per_head, v_dim=v_dim, scale=scale, block_b=block_b, block_v=block_v,
                                splits_padded=1 << max(0, (splits - 1).bit_length()), fp8=w.scale is not None)
     return _per_head_launch(_OUTPUT, kernel, (batch, heads, v_dim), q_latent.dtype,
-                            (cdiv(v_dim, block_v), cdiv(batch, block_b)), num_warps, interpret,
+                            (cdiv(v_dim, block_v), cdiv(batch, block_b)), (num_warps, num_stages), interpret,
                             w.layer, acc, m, l, q_latent, q_pe, new_kv, new_pe, *w.operands[1:])
 
 
