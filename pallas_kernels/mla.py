@@ -177,8 +177,15 @@ class _WkvB(NamedTuple):
     layer: jax.Array
 
     @property
-    def operands(self) -> tuple:
-        return (self.layer, self.stack) if self.scale is None else (self.layer, self.stack, self.scale)
+    def refs(self) -> tuple:
+        """The kernel operands after the layer: the stack, and its scales when fp8."""
+        return (self.stack,) if self.scale is None else (self.stack, self.scale)
+
+
+def fp8_wkv_b_aligned(nope: int, v_dim: int, rank: int) -> bool:
+    """Whether the absorption kernels can read an fp8 wkv_b with its block scales: each 128x128 scale block
+    within one head's key or value half (D, V and C multiples of 128)."""
+    return not (nope % BLOCK or v_dim % BLOCK or rank % BLOCK)
 
 
 def _wkv_b_stack(fn: str, wkv_b, layer, scale, heads: int, nope: int, rank: int, dtype) -> _WkvB:
@@ -200,8 +207,8 @@ def _wkv_b_stack(fn: str, wkv_b, layer, scale, heads: int, nope: int, rank: int,
         if stack.dtype != FP8 or scale.dtype != jnp.float32 or tuple(scale.shape) != want:
             fail(fn, f"an fp8 wkv_b needs float8_e4m3fn weights and float32 block scales of shape {want}; got "
                      f"{stack.dtype} {tuple(wkv_b.shape)} and {scale.dtype} {tuple(scale.shape)}")
-        if per_head % BLOCK or nope % BLOCK or rank % BLOCK:
-            fail(fn, f"an fp8 wkv_b needs D={nope}, D + V={per_head} and C={rank} multiples of {BLOCK} "
+        if not fp8_wkv_b_aligned(nope, per_head - nope, rank):
+            fail(fn, f"an fp8 wkv_b needs D={nope}, V={per_head - nope} and C={rank} multiples of {BLOCK} "
                      "(each scale block within one head's key or value half)")
     return _WkvB(stack, scale, jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1))
 
@@ -268,7 +275,7 @@ def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, block_c: in
                                block_b=block_b, block_c=block_c, fp8=w.scale is not None)
     return _per_head_launch(_QUERY, kernel, (batch, heads, rank), q_nope.dtype,
                             (cdiv(rank, block_c), cdiv(batch, block_b)), (num_warps, num_stages), interpret,
-                            w.layer, q_nope, *w.operands[1:])
+                            w.layer, q_nope, *w.refs)
 
 
 def _per_head_launch(name: str, kernel, shape, dtype, blocks: tuple, launch: tuple[int, int], interpret: bool,
@@ -351,7 +358,7 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
                                splits_padded=1 << max(0, (splits - 1).bit_length()), fp8=w.scale is not None)
     return _per_head_launch(_OUTPUT, kernel, (batch, heads, v_dim), q_latent.dtype,
                             (cdiv(v_dim, block_v), cdiv(batch, block_b)), (num_warps, num_stages), interpret,
-                            w.layer, acc, m, l, q_latent, q_pe, new_kv, new_pe, *w.operands[1:])
+                            w.layer, acc, m, l, q_latent, q_pe, new_kv, new_pe, *w.refs)
 
 
 def _merged_latent(acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, *, h, bs, row_ok, splits, scale,

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import FP8_BLOCK, flash_attention, mla_decode
-from pallas_kernels.mla import mla_absorb_query, mla_decode_output, mla_decode_splits
+from pallas_kernels import flash_attention, mla_decode
+from pallas_kernels.mla import fp8_wkv_b_aligned, mla_absorb_query, mla_decode_output, mla_decode_splits
 
 from ..config import ModelArgs
 from ..options import StepContext
@@ -183,11 +183,6 @@ class MLA(nnx.Module):
         return (self.nope_dim >= 16 and not self.nope_dim & (self.nope_dim - 1)
                 and (self.wkv_b.scale is not None or self.wkv_b.weight.dtype == dtype))
 
-    def _fp8_blocks_align(self) -> bool:
-        """Whether an fp8 wkv_b's 128x128 scale blocks each lie within one head's key or value half, so
-        that the absorption kernels dequantize its tiles as they load them."""
-        return not (self.nope_dim % FP8_BLOCK or self.v_dim % FP8_BLOCK or self.kv_lora_rank % FP8_BLOCK)
-
     def _decode_in_three_launches(self, q_nope, q_pe, latent, k_pe, ctx, cache, layer, stack_index):
         """Absorbed single-token attention as three kernels: the query's absorption into the latent
         space, the attention over the cache read in place (split over its positions), then the splits'
@@ -195,7 +190,7 @@ class MLA(nnx.Module):
         read from their layer stack in place, fp8 ones dequantized tile by tile in the kernels where their
         blocks align (else dequantized first)."""
         wkv_b, index, scale = self.wkv_b.weight[...], stack_index, None
-        if self.wkv_b.scale is not None and self._fp8_blocks_align():
+        if self.wkv_b.scale is not None and fp8_wkv_b_aligned(self.nope_dim, self.v_dim, self.kv_lora_rank):
             scale = self.wkv_b.scale[...]
         elif self.wkv_b.scale is not None:
             wkv_b, index = layer_of(self.wkv_b, stack_index).dequantized(q_nope.dtype), None
