@@ -6,6 +6,8 @@
 # Idempotent: each install has a stamp of pyproject.toml and the package set, and is redone only when stale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the test extra brings torch with its CUDA wheels (several GB); a pip cache would hold them a second time
+export PIP_NO_CACHE_DIR="${PIP_NO_CACHE_DIR:-1}"
 
 is_py312() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; }
 
