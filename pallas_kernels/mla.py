@@ -102,11 +102,12 @@ def mla_decode_splits(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, *, kv_
         return mla_decode_splits_ref(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, kv_len=kv_len, scale=scale)
     splits = splits or default_splits(batch, heads, kv_len, block_t, block_h)
     chunk = cdiv(cdiv(kv_len, splits), block_t) * block_t
-    lengths = jnp.minimum(lengths.astype(jnp.int32), kv_len)
-    meta = jnp.concatenate([jnp.asarray(layer, jnp.int32)[None], lengths])
+    # the layer and the lengths as operands of their own (clamped to kv_len in the kernel): no XLA kernel builds them
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     vma = vma_union(q_latent, kv_cache)
-    operands = match_vma(vma, meta, q_latent, q_pe, kv_cache, pe_cache)
-    kernel = functools.partial(_kernel, heads=heads, chunk=chunk, block_t=block_t, block_h=block_h, scale=scale)
+    operands = match_vma(vma, layer, lengths.astype(jnp.int32), q_latent, q_pe, kv_cache, pe_cache)
+    kernel = functools.partial(_kernel, heads=heads, chunk=chunk, block_t=block_t, block_h=block_h, scale=scale,
+                               kv_len=kv_len)
     grid = (batch, cdiv(heads, block_h), splits)
     acc, m, l = pl.pallas_call(
         kernel,
@@ -127,10 +128,10 @@ def default_splits(batch: int, heads: int, kv_len: int, block_t: int, block_h: i
     return max(1, min(cdiv(kv_len, block_t), cdiv(PROGRAMS_PER_SM * num_sms(), programs)))
 
 
-def _kernel(meta_ref, q_ref, qpe_ref, kv_ref, pe_ref, acc_ref, m_ref, l_ref, *, heads, chunk, block_t, block_h,
-            scale):
+def _kernel(layer_ref, lengths_ref, q_ref, qpe_ref, kv_ref, pe_ref, acc_ref, m_ref, l_ref, *, heads, chunk, block_t,
+            block_h, scale, kv_len):
     b, hb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer, length = meta_ref[0], meta_ref[1 + b]
+    layer, length = layer_ref[0], jnp.minimum(lengths_ref[b], kv_len)
     head_ok = hb * block_h + jnp.arange(block_h) < heads
     hs = pl.ds(hb * block_h, block_h)
     q = plgpu.load(q_ref.at[b, hs, :], mask=head_ok[:, None], other=0)

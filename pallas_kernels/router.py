@@ -46,12 +46,11 @@ def route(logits: jax.Array, bias: jax.Array | None = None, *, topk: int, n_grou
     if padded != experts:
         logits = jnp.pad(logits, ((0, 0), (0, padded - experts)), constant_values=-jnp.inf)
     has_bias = bias is not None
-    bias = (jnp.zeros((padded,), jnp.float32) if bias is None
-            else jnp.pad(bias.astype(jnp.float32), (0, padded - experts)))
+    operands = (logits,) + ((jnp.pad(bias.astype(jnp.float32), (0, padded - experts)),) if has_bias else ())
     rows = pow2_at_most(m, block_rows)
     k_padded = 1 << max(0, (topk - 1).bit_length())
     vma = vma_union(logits)
-    logits, bias = match_vma(vma, logits, bias)
+    operands = match_vma(vma, *operands)
     weights, indices = pl.pallas_call(
         functools.partial(_kernel, m=m, experts=experts, rows=rows, k_padded=k_padded, has_bias=has_bias, **static),
         out_shape=(result((m, k_padded), jnp.float32, vma), result((m, k_padded), jnp.int32, vma)),
@@ -59,12 +58,13 @@ def route(logits: jax.Array, bias: jax.Array | None = None, *, topk: int, n_grou
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name=_FN,
-    )(logits, bias)
+    )(*operands)
     return weights[:, :topk], indices[:, :topk]
 
 
-def _kernel(logits_ref, bias_ref, weights_ref, indices_ref, *, m, experts, rows, k_padded, has_bias, topk, n_groups,
-            topk_groups, score_func, route_scale, normalize):
+def _kernel(logits_ref, *refs, m, experts, rows, k_padded, has_bias, topk, n_groups, topk_groups, score_func,
+            route_scale, normalize):
+    bias_ref, weights_ref, indices_ref = refs if has_bias else (None, *refs)
     block = pl.ds(pl.program_id(0) * rows, rows)
     row_ok = pl.program_id(0) * rows + jnp.arange(rows) < m
     padded = logits_ref.shape[1]
