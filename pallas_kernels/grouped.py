@@ -44,7 +44,8 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
                  row_scale: jax.Array | None = None, out_dtype=jnp.float32, block_m: int = 16, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 3, backend: str = "auto",
                  mosaic_tiles: MosaicTiles | None = None, shared_w: jax.Array | None = None,
-                 shared_w_scale: jax.Array | None = None, x_scale: jax.Array | None = None) -> jax.Array:
+                 shared_w_scale: jax.Array | None = None, x_scale: jax.Array | None = None,
+                 slot_experts: jax.Array | None = None, expert_offset=0) -> jax.Array:
     """Rows of x (M, K), sorted by group, times their group's w (G, N, K) transposed -> (M, N).
 
     The groups of the rows come either as `group_sizes` (rows sorted by group) or as `row_groups`
@@ -81,14 +82,20 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
       x_scale: with x float8_e4m3fn and an fp8 w, x's float32 (M, K/128) scales (`act_quant`'s pair):
         the products run on the fp8 tensor cores and each K block's partial sum is scaled by
         x_scale * w_scale, fp8_gemm's math (the reference's fp8 GEMM path). Triton kernel only.
+      slot_experts: int32 (T, k), instead of group_sizes or row_groups: the experts T tokens chose, k each
+        (an MoE decode step's router output); group = expert - `expert_offset` (a rank's first expert),
+        ids naming no group come out zero. The rows of x and of the output are the T k slots token-major,
+        then with `shared_w` each shared chunk's T rows; row_scale (T k,) weighs the routed slots only.
+        Each program finds its rows from the ids: no schedule, sort or padded copy is computed.
     """
-    groups = _groups(_FN, group_sizes, row_groups)
+    groups = _groups(_FN, group_sizes, row_groups, slot_experts, expert_offset)
     if shared_w is not None:
         return _grouped(_FN, x, (w,), (w_scale,), groups, layer, row_scale, False, out_dtype, block_m, block_n,
                         num_warps, num_stages, shared=_Shared("k", (shared_w,), (shared_w_scale,)), x_scale=x_scale)
     tiles = MosaicTiles() if mosaic_tiles is None else mosaic_tiles
     if grouped_gemm_backend(x, w, w_scale, out_dtype=out_dtype, backend=backend, mosaic_tiles=tiles,
-                            row_groups=row_groups, x_scale=x_scale) == "mosaic":
+                            row_groups=row_groups if slot_experts is None else slot_experts,
+                            x_scale=x_scale) == "mosaic":
         return grouped_gemm_mgpu(x, w, group_sizes, w_scale, layer=layer, row_scale=row_scale, out_dtype=out_dtype,
                                  tiles=tiles)
     return _grouped(_FN, x, (w,), (w_scale,), groups, layer, row_scale, False, out_dtype,
@@ -130,7 +137,8 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
                         block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
                         shared_w1: jax.Array | None = None, shared_w3: jax.Array | None = None,
                         shared_w1_scale: jax.Array | None = None, shared_w3_scale: jax.Array | None = None,
-                        x_scale: jax.Array | None = None) -> jax.Array:
+                        x_scale: jax.Array | None = None, slot_experts: jax.Array | None = None,
+                        expert_offset=0) -> jax.Array:
     """The gated hidden state of routed experts in one launch: h = silu(x W1_g^T) * (x W3_g^T).
 
     Same rows, groups (`group_sizes` or `row_groups`), weight forms (bf16 or fp8 + 128x128 scales,
@@ -143,6 +151,9 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
     MoE layer stored as one MLP of S * N hidden units, run as S more groups G .. G + S - 1, group G + s
     their hidden units [s N, (s + 1) N): experts every token selects, in the same launch. With `layer`,
     stacks (L, S * N, K) read at that layer in place, as w1 and w3 are.
+
+    slot_experts (T, k), expert_offset: as `grouped_gemm`'s, with x (T, K) one row a token: the output's
+    rows are the T k routed slots token-major, then each shared chunk's T rows (the down projection's x).
     """
     if (w1_scale is None) != (w3_scale is None) or w1.shape != w3.shape or w1.dtype != w3.dtype:
         fail(_SWIGLU, f"w1 and w3 must have one shape and dtype and both or neither a scale; got {w1.shape} "
@@ -153,7 +164,8 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
             fail(_SWIGLU, "shared_w1 and shared_w3 go together, with one shape")
         shared = _Shared("n", (shared_w1, shared_w3), (shared_w1_scale, shared_w3_scale))
     default_out = jnp.bfloat16 if x_scale is not None else x.dtype
-    return _grouped(_SWIGLU, x, (w1, w3), (w1_scale, w3_scale), _groups(_SWIGLU, group_sizes, row_groups), layer,
+    groups = _groups(_SWIGLU, group_sizes, row_groups, slot_experts, expert_offset)
+    return _grouped(_SWIGLU, x, (w1, w3), (w1_scale, w3_scale), groups, layer,
                     None, True, default_out if out_dtype is None else out_dtype, block_m, block_n, num_warps,
                     num_stages, shared=shared, x_scale=x_scale)
 
@@ -200,12 +212,51 @@ class _Shared(NamedTuple):
         return weights, scales
 
 
-def _groups(fn: str, group_sizes, row_groups) -> tuple[str, jax.Array]:
-    """("sizes", group_sizes) or ("rows", row_groups): exactly one of the two forms of the groups."""
-    if (group_sizes is None) == (row_groups is None):
-        fail(fn, "give the rows' groups either as group_sizes (rows sorted by group) or as row_groups, not "
-                 f"{'both' if row_groups is not None else 'neither'}")
+class _Slots(NamedTuple):
+    """The "slots" form of the groups: expert ids (T, k) of T tokens' k choices, minus `offset` (an int32
+    scalar, traced or not) a group."""
+    experts: jax.Array
+    offset: jax.Array
+
+
+def _groups(fn: str, group_sizes, row_groups, slot_experts=None, expert_offset=0) -> tuple[str, object]:
+    """("sizes", group_sizes), ("rows", row_groups) or ("slots", _Slots): exactly one form of the groups."""
+    given = [name for name, value in (("group_sizes", group_sizes), ("row_groups", row_groups),
+                                      ("slot_experts", slot_experts)) if value is not None]
+    if len(given) != 1:
+        fail(fn, "give the rows' groups as one of group_sizes (rows sorted by group), row_groups or slot_experts; "
+                 f"got {' and '.join(given) or 'none'}")
+    if slot_experts is not None:
+        if slot_experts.ndim != 2 or not jnp.issubdtype(slot_experts.dtype, jnp.integer):
+            fail(fn, f"slot_experts must be integer (T, k), got {slot_experts.dtype} {tuple(slot_experts.shape)}")
+        return "slots", _Slots(slot_experts, jnp.asarray(expert_offset, jnp.int32))
     return ("sizes", group_sizes) if row_groups is None else ("rows", row_groups)
+
+
+def _slot_layout(fn: str, x, slots: _Slots, n_shared: int, row_scale) -> _SlotLayout:
+    """The slots form's row layout, after checking x's rows and row_scale against it."""
+    tokens, topk = slots.experts.shape
+    layout = _SlotLayout(tokens, topk, n_shared, x_by_token=x.shape[0] != tokens * (topk + n_shared))
+    if x.shape[0] not in (tokens, layout.rows):
+        fail(fn, f"x has {x.shape[0]} rows; with slot_experts of {tokens} tokens it needs one a token ({tokens}) or "
+                 f"one a slot ({layout.rows}: {topk} routed and {n_shared} shared a token)")
+    if row_scale is not None and (row_scale.shape != (layout.routed,) or row_scale.dtype != jnp.float32):
+        fail(fn, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 "
+                 f"({layout.routed},): the routed slots' weights")
+    return layout
+
+
+def _slot_rows(layout: _SlotLayout, slots: _Slots, n_groups: int, x, x_scale, row_scale):
+    """The slots form as the rows form (`row_groups`): what the twin computes from."""
+    ids = slots.experts.reshape(-1).astype(jnp.int32) - slots.offset
+    shared_groups = n_groups + jnp.repeat(jnp.arange(layout.chunks, dtype=jnp.int32), layout.tokens)
+    row_groups = jnp.concatenate([jnp.where((ids >= 0) & (ids < n_groups), ids, -1), shared_groups])
+    per_row = lambda a: None if a is None or not layout.x_by_token else jnp.concatenate(  # noqa: E731
+        [jnp.repeat(a, layout.topk, axis=0), jnp.tile(a, (layout.chunks, 1))])
+    x, x_scale = (per_row(x), per_row(x_scale)) if layout.x_by_token else (x, x_scale)
+    if row_scale is not None:
+        row_scale = jnp.concatenate([row_scale, jnp.ones((layout.rows - layout.routed,), jnp.float32)])
+    return ("rows", row_groups), x, x_scale, row_scale
 
 
 def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, block_m, block_n,
@@ -213,25 +264,25 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     """The shared wrapper: checks, the XLA fallback, the tile schedule and one pallas_call over
     weights `ws` (one for a plain GEMM, w1 and w3 for swiglu), and the `shared` chunks' groups after them."""
     stacked = layer is not None
-    w = ws[0]
+    w, w_scale = ws[0], scales[0]
     if stacked != (w.ndim == 4):
         fail(fn, f"w has shape {tuple(w.shape)}: a stack (L, G, N, K) goes with `layer`, (G, N, K) without")
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    w_scale = scales[0]
     form, group_data = groups
-    m, k = _check(fn, x, w[0] if stacked else w, groups, None if w_scale is None else
+    ids = group_data.experts.reshape(-1) if form == "slots" else group_data
+    m, k = _check(fn, x, w[0] if stacked else w, (form, ids), None if w_scale is None else
                   (w_scale[0] if stacked else w_scale), block_m, block_n, x_scale)
-    sizes, row_groups = (group_data, None) if form == "sizes" else (None, group_data)
-    if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
+    if form != "slots" and row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
         fail(fn, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 ({m},)")
-    n = w.shape[-2]
-    fp8 = w_scale is not None
-    n_groups = w.shape[-3]
-    if shared is not None and form != "rows":
-        fail(fn, "shared weights go with row_groups (each row naming its group)")
+    n, n_groups, fp8 = w.shape[-2], w.shape[-3], w_scale is not None
+    if shared is not None and form == "sizes":
+        fail(fn, "shared weights go with row_groups or slot_experts (each row naming its group)")
     n_shared = 0 if shared is None else shared.count(fn, n, k, fp8, x.dtype, stacked)
+    slots = None if form != "slots" else _slot_layout(fn, x, group_data, n_shared, row_scale)
     interpret = use_interpret()
-    if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, *ws, group_data):
+    if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, *ws, ids):
+        if slots is not None:
+            groups, x, x_scale, row_scale = _slot_rows(slots, group_data, n_groups, x, x_scale, row_scale)
         return _twin(x, ws, scales, groups, layer if stacked else None, row_scale, swiglu, out_dtype, shared,
                      n_shared, x_scale)
     shared_ws, shared_scales = ((), ()) if shared is None else (shared.weights, shared.scales)
@@ -241,46 +292,74 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
                                  for group in (scales, shared_scales))
     if fp8:
         ws, shared_ws, x = tuple(map(byte_pairs, ws)), tuple(map(byte_pairs, shared_ws)), even_odd_columns(x)
+    launch = _Launch(fn, swiglu, fp8, out_dtype, block_m, block_n, num_warps, num_stages, n_groups,
+                     None if shared is None else shared.axis, interpret, vma_union(x, *ws, ids))
+    weights = ([*ws, *shared_ws] + (list(scales) + list(shared_scales) if fp8 else []))
+    if slots is not None:
+        # no schedule and no padded copies: each program finds its rows from the ids, loads masked
+        table = [layer.reshape(1), group_data.offset.reshape(1), ids.astype(jnp.int32)]
+        return launch(x, x_scale, weights, row_scale, table, slots.rows,
+                      slots.rows, pad=0, every_row_a_tile=True, slots=slots)
     if form == "sizes":
-        schedule, max_tiles = tile_schedule(sizes.astype(jnp.int32), m, block_m, layer)
+        schedule, max_tiles = tile_schedule(group_data.astype(jnp.int32), m, block_m, layer)
     else:
-        schedule = row_schedule(row_groups.astype(jnp.int32), n_groups + n_shared, layer,
+        schedule = row_schedule(group_data.astype(jnp.int32), n_groups + n_shared, layer,
                                 merge_from=n_groups if n_shared else None, block_m=block_m)
         max_tiles = m
-    vma = vma_union(x, *ws, group_data)
     # a tile's rows [row, row + block_m) are masked, but the refs keep a tile of slack past the last
-    # row: masked loads past the end of the refs are slower (benchmarks/NOTES.md)
-    pad = block_m
-    operands = ([schedule, jnp.pad(x, ((0, pad), (0, 0)))]
-                + ([] if x_scale is None else [jnp.pad(x_scale, ((0, pad), (0, 0)))])
-                + [*ws, *shared_ws] + (list(scales) + list(shared_scales) if fp8 else []))
-    if row_scale is not None:
-        operands.append(jnp.pad(row_scale, (0, pad)))
-    operands = match_vma(vma, *operands)
-    # Triton keeps num_stages copies of a K step's tiles in shared memory: with two weights and tall
-    # tiles three stages need more than a Hopper block may have (e.g. swiglu at 64 x 128 in bf16:
-    # 3 x 80 KiB), so the pipeline is cut to what fits
-    stage_bytes = block_m * BLOCK * x.dtype.itemsize + len(ws) * block_n * BLOCK * (1 if fp8 else w.dtype.itemsize)
-    num_stages = max(1, min(num_stages, SHARED_MEMORY_BYTES // stage_bytes))
-    # with row_groups every row is in a tile (its own, or its shared run's), which stores zeros if the
-    # row names no group; sorted rows past the groups belong to no tile, so that output starts as a
-    # zeroed buffer
-    every_row_a_tile = form == "rows"
-    kernel = functools.partial(_kernel, n=n, k=k, block_m=block_m, block_n=block_n, fp8=fp8,
-                               n_weights=len(ws), row_scale=row_scale is not None, swiglu=swiglu,
-                               zero_missing=every_row_a_tile, n_groups=n_groups,
-                               shared_axis=None if shared is None else shared.axis, x_scaled=x_scale is not None)
-    extra = [] if every_row_a_tile else match_vma(vma, jnp.zeros((m + pad, n), out_dtype))
-    out = pl.pallas_call(
-        kernel,
-        out_shape=result((m + pad, n), out_dtype, vma),
-        grid=(max_tiles, cdiv(n, block_n)),
-        input_output_aliases={} if every_row_a_tile else {len(operands): 0},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=fn,
-    )(*operands, *extra)
-    return out[:m]
+    # row: masked loads past the end of the refs are slower in prefill (benchmarks/NOTES.md)
+    return launch(x, x_scale, weights, row_scale, [schedule], m, max_tiles, pad=block_m,
+                  every_row_a_tile=form == "rows")[:m]
+
+
+class _Launch(NamedTuple):
+    """One pallas_call of `_kernel`, with what does not vary between the forms of the groups."""
+    fn: str
+    swiglu: bool
+    fp8: bool
+    out_dtype: object
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    n_groups: int
+    shared_axis: str | None
+    interpret: bool
+    vma: frozenset
+
+    def __call__(self, x, x_scale, weights, row_scale, table: list, m: int, programs: int, *, pad: int,
+                 every_row_a_tile: bool, slots: _SlotLayout | None = None):
+        """Output (m + pad, N) over `programs` row programs; `table` the schedule operands; x, x_scale and
+        row_scale padded by `pad` rows (their slack). With `every_row_a_tile` (row_groups, slots) every
+        row is in a tile (its own, or its shared run's), which stores zeros if the row names no group;
+        sorted rows past the groups belong to no tile, so that output starts as a zeroed buffer."""
+        n_weights = 2 if self.swiglu else 1
+        w, k, n, vma = weights[0], x.shape[1], weights[0].shape[-2], self.vma
+        padded = (lambda a: a) if not pad else (  # noqa: E731
+            lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)))
+        operands = (table + [padded(x)] + ([] if x_scale is None else [padded(x_scale)]) + weights
+                    + ([] if row_scale is None else [padded(row_scale)]))
+        operands = match_vma(vma, *operands)
+        # Triton keeps num_stages copies of a K step's tiles in shared memory: with two weights and tall
+        # tiles three stages need more than a Hopper block may have (e.g. swiglu at 64 x 128 in bf16:
+        # 3 x 80 KiB), so the pipeline is cut to what fits
+        stage_bytes = self.block_m * BLOCK * x.dtype.itemsize + n_weights * self.block_n * BLOCK * (
+            1 if self.fp8 else w.dtype.itemsize)
+        num_stages = max(1, min(self.num_stages, SHARED_MEMORY_BYTES // stage_bytes))
+        kernel = functools.partial(_kernel, n=n, k=k, block_m=self.block_m, block_n=self.block_n,
+                                   fp8=self.fp8, n_weights=n_weights, row_scale=row_scale is not None, swiglu=self.swiglu,
+                                   zero_missing=every_row_a_tile, n_groups=self.n_groups, shared_axis=self.shared_axis,
+                                   x_scaled=x_scale is not None, slots=slots)
+        extra = [] if every_row_a_tile else match_vma(vma, jnp.zeros((m + pad, n), self.out_dtype))
+        return pl.pallas_call(
+            kernel,
+            out_shape=result((m + pad, n), self.out_dtype, vma),
+            grid=(programs, cdiv(n, self.block_n)),
+            input_output_aliases={} if every_row_a_tile else {len(operands): 0},
+            compiler_params=plgpu.CompilerParams(num_warps=self.num_warps, num_stages=num_stages),
+            interpret=self.interpret,
+            name=self.fn,
+        )(*operands, *extra)
 
 
 def _twin(x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, shared: _Shared | None, n_shared: int,
@@ -375,42 +454,100 @@ def row_schedule(row_groups: jax.Array, groups: int, layer=0, merge_from: int | 
                       jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (m,))])
 
 
-def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, zero_missing,
-            n_groups, shared_axis, x_scaled):
-    """One (row tile, column tile) program. refs: x's scales (if `x_scaled`), the weights (n_weights), the
-    shared chunks' wide weights (n_weights, if `shared_axis`), the scales of both (if fp8), row_scale (if
-    given), the zeroed output buffer (aliased to the output; not with zero_missing, where a tile that does
-    not exist stores zeros over its rows), then the output."""
+class _Tile(NamedTuple):
+    """What a program computes: `exists` 1 (its tile), 0 (zeros over its rows, with zero_missing) or COVERED
+    (nothing); the group and weight layer; output rows [row, end), read from x's rows [x_row, x_row + end - row)."""
+    exists: jax.Array
+    group: jax.Array
+    layer: jax.Array
+    row: jax.Array
+    end: jax.Array
+    x_row: jax.Array
+
+
+def _scheduled_tile(sched_ref, tile) -> _Tile:
+    """Tile `tile` of a `tile_schedule` / `row_schedule` table (x's rows are the output's)."""
+    return _Tile(sched_ref[3, tile], sched_ref[0, tile], sched_ref[4, tile], sched_ref[1, tile], sched_ref[2, tile],
+                 sched_ref[1, tile])
+
+
+class _SlotLayout(NamedTuple):
+    """The "slots" form's rows: `tokens` x `topk` routed slots token-major, then `chunks` shared groups' rows
+    chunk-major, one per token; routed slot (t, c) names expert ids[t topk + c], its group that minus the
+    offset operand. x holds a row per token (`x_by_token`: the swiglu's input) or per output row (the down
+    projection's)."""
+    tokens: int
+    topk: int
+    chunks: int
+    x_by_token: bool
+
+    @property
+    def routed(self) -> int:
+        return self.tokens * self.topk
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * (self.topk + self.chunks)
+
+
+def _slot_tile(layer_ref, offset_ref, ids_ref, tile, *, slots: _SlotLayout, n_groups: int, block_m: int) -> _Tile:
+    """Program `tile` of the slots form, from the expert ids alone (no schedule table): a routed slot is a
+    tile of its own row; a shared chunk's rows go in tiles of up to block_m tokens, each the program of its
+    first row (the others COVERED), so the chunk's weights are read once per tile."""
+    routed = tile < slots.routed
+    group = ids_ref[jnp.minimum(tile, slots.routed - 1)] - offset_ref[0]
+    named = ((group >= 0) & (group < n_groups)).astype(jnp.int32)
+    shared_row = jnp.maximum(tile - slots.routed, 0)
+    chunk, token = shared_row // slots.tokens, shared_row % slots.tokens
+    first = jnp.where(token % block_m == 0, 1, COVERED)
+    end = jnp.minimum(tile + block_m, slots.routed + (chunk + 1) * slots.tokens)
+    x_row = jnp.where(routed, tile // slots.topk, token) if slots.x_by_token else tile
+    return _Tile(jnp.where(routed, named, first), jnp.where(routed, jnp.clip(group, 0, n_groups - 1), n_groups + chunk),
+                 layer_ref[0], tile, jnp.where(routed, tile + 1, end), x_row)
+
+
+def _kernel(*refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, zero_missing, n_groups, shared_axis,
+            x_scaled, slots: _SlotLayout | None = None):
+    """One (row tile, column tile) program. refs: the schedule table (or, with `slots`, the layer, the
+    expert offset and the expert ids), x, x's scales (if `x_scaled`), the weights (n_weights), the shared chunks' wide weights
+    (n_weights, if `shared_axis`), the scales of both (if fp8), row_scale (if given; with `slots` the routed
+    rows' only), the zeroed output buffer (aliased to the output; not with zero_missing, where a tile that
+    does not exist stores zeros over its rows), then the output."""
+    tile, j = pl.program_id(0), pl.program_id(1)
+    if slots is None:
+        (sched_ref, x_ref), refs = refs[:2], refs[2:]
+        info = _scheduled_tile(sched_ref, tile)
+    else:
+        (layer_ref, offset_ref, ids_ref, x_ref), refs = refs[:4], refs[4:]
+        info = _slot_tile(layer_ref, offset_ref, ids_ref, tile, slots=slots, n_groups=n_groups, block_m=block_m)
     x_scale_ref, refs = (refs[0], refs[1:]) if x_scaled else (None, refs)
     refs, w_refs = _take(refs, n_weights)
     refs, shared_refs = _take(refs, n_weights if shared_axis else 0)
     refs, scale_refs = _take(refs, n_weights if fp8 else 0)
     refs, shared_scale_refs = _take(refs, n_weights if fp8 and shared_axis else 0)
     row_scale_ref, o_ref = (refs[0] if row_scale else None), refs[-1]
-    tile, j = pl.program_id(0), pl.program_id(1)
-    exists = sched_ref[3, tile] > 0
-    group, layer = sched_ref[0, tile], sched_ref[4, tile]
+    exists, group, layer = info.exists > 0, info.group, info.layer
 
     def tile_rows():
-        row, end = sched_ref[1, tile], sched_ref[2, tile]
-        row_ok = (row + jnp.arange(block_m)) < end
+        row_ok = (info.row + jnp.arange(block_m)) < info.end
         col_ok = (j * block_n + jnp.arange(block_n)) < n
-        return pl.ds(row, block_m), pl.ds(j * block_n, block_n), row_ok, col_ok
+        return pl.ds(info.row, block_m), pl.ds(j * block_n, block_n), row_ok, col_ok
 
-    def finish(accs, rows, cols, row_ok, col_ok):
+    def finish(accs, rows, cols, row_ok, col_ok, scaled):
         if swiglu:
             acc = jax.nn.sigmoid(accs[0]) * accs[0] * accs[1]  # silu(x W1^T) * (x W3^T), in float32
         else:
             (acc,) = accs
-        if row_scale:
+        if scaled:
             acc = acc * plgpu.load(row_scale_ref.at[rows], mask=row_ok)[:, None]
         plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
-    def run(loaders):
+    def run(loaders, scaled=row_scale):
         rows, cols, row_ok, col_ok = tile_rows()
         tiles, scales = loaders(cols, col_ok)
-        accs = _k_loop(x_ref, x_scale_ref, tiles, scales, rows, row_ok, k=k, block_n=block_n, fp8=fp8)
-        finish(accs, rows, cols, row_ok, col_ok)
+        accs = _k_loop(x_ref, x_scale_ref, tiles, scales, pl.ds(info.x_row, block_m), row_ok, k=k, block_n=block_n,
+                       fp8=fp8)
+        finish(accs, rows, cols, row_ok, col_ok, scaled)
 
     def routed(cols, col_ok):
         tiles = [lambda start, width, w_ref=w_ref: plgpu.load(w_ref.at[layer, group, cols, pl.ds(start, width)],
@@ -426,10 +563,10 @@ def _kernel(sched_ref, x_ref, *refs, n, k, block_m, block_n, fp8, n_weights, row
         @pl.when(exists & (group >= n_groups))
         def _():
             run(functools.partial(_shared_loaders, shared_refs, shared_scale_refs, layer, group - n_groups, j, n=n, k=k,
-                                  block_n=block_n, fp8=fp8, axis=shared_axis))
+                                  block_n=block_n, fp8=fp8, axis=shared_axis), scaled=row_scale and slots is None)
 
     if zero_missing:
-        @pl.when(sched_ref[3, tile] == 0)
+        @pl.when(info.exists == 0)
         def _():
             rows, cols, row_ok, col_ok = tile_rows()
             plgpu.store(o_ref.at[rows, cols], jnp.zeros((block_m, block_n), o_ref.dtype),
@@ -496,7 +633,7 @@ def _k_loop(x_ref, x_scale_ref, tiles, scales, rows, row_ok, *, k, block_n, fp8)
 
 def _check(fn, x, w, groups_form, w_scale, block_m, block_n, x_scale=None) -> tuple[int, int]:
     form, group_data = groups_form
-    name = "group_sizes" if form == "sizes" else "row_groups"
+    name = {"sizes": "group_sizes", "rows": "row_groups", "slots": "slot_experts"}[form]
     if x.ndim != 2 or w.ndim != 3 or group_data.ndim != 1:
         fail(fn, f"expects x (M, K), w (G, N, K), {name} ({'G' if form == 'sizes' else 'M'},); got {x.shape}, "
                  f"{w.shape}, {group_data.shape}")

@@ -53,28 +53,27 @@ def weights(sh: Shape) -> dict:
 
 
 def input_set(i: int, batch: int, sh: Shape) -> tuple:
-    """Rows (routed slots token-major, then each token's shared row), their groups and routing weights."""
+    """The tokens' rows, their experts (batch, topk), the swiglu's output rows (routed slots token-major, then
+    each token's shared row) and the routed slots' weights: the slots form the model runs."""
     rng = np.random.default_rng(i)
-    experts = np.stack([rng.choice(sh.experts, sh.topk, replace=False) for _ in range(batch)]).reshape(-1)
-    groups = np.concatenate([experts, np.full(batch, sh.experts)]).astype(np.int32)
-    x = rng.standard_normal((batch, sh.dim)).astype(np.float32)
-    rows = np.concatenate([np.repeat(x, sh.topk, 0), x]).astype(jnp.bfloat16)
-    h = rng.standard_normal((len(groups), sh.inter)).astype(jnp.bfloat16)
-    row_weights = np.concatenate([rng.uniform(0, 1, batch * sh.topk), np.ones(batch)]).astype(np.float32)
-    return tuple(jax.device_put(a) for a in (rows, groups, h, row_weights))
+    experts = np.stack([rng.choice(sh.experts, sh.topk, replace=False) for _ in range(batch)]).astype(np.int32)
+    x = rng.standard_normal((batch, sh.dim)).astype(jnp.bfloat16)
+    h = rng.standard_normal((batch * (sh.topk + 1), sh.inter)).astype(jnp.bfloat16)
+    row_weights = rng.uniform(0, 1, batch * sh.topk).astype(np.float32)
+    return tuple(jax.device_put(a) for a in (x, experts, h, row_weights))
 
 
 def kernel(form: str, which: str, w: dict, setting: dict):
-    """fn(rows, groups, h, row_weights) running one of the two slot kernels in `form` with `setting`."""
-    def run(rows, groups, h, row_weights):
-        x = rows if which == "swiglu" else h
+    """fn(x, experts, h, row_weights) running one of the two slot kernels in `form` with `setting`."""
+    def run(x, experts, h, row_weights):
+        x = x if which == "swiglu" else h
         x, x_scale = act_quant(x) if form == "fp8" else (x, None)
         if which == "swiglu":
-            return grouped_gemm_swiglu(x, w["w1"][0], w["w3"][0], None, w["w1"][1], w["w3"][1], row_groups=groups,
+            return grouped_gemm_swiglu(x, w["w1"][0], w["w3"][0], None, w["w1"][1], w["w3"][1], slot_experts=experts,
                                        shared_w1=w["s1"][0], shared_w3=w["s3"][0], shared_w1_scale=w["s1"][1],
                                        shared_w3_scale=w["s3"][1], x_scale=x_scale, out_dtype=jnp.bfloat16,
                                        **setting)
-        return grouped_gemm(x, w["w2"][0], None, w["w2"][1], row_groups=groups, row_scale=row_weights,
+        return grouped_gemm(x, w["w2"][0], None, w["w2"][1], slot_experts=experts, row_scale=row_weights,
                             shared_w=w["s2"][0], shared_w_scale=w["s2"][1], x_scale=x_scale, **setting)
     return run
 

@@ -303,9 +303,9 @@ def test_row_groups_twin_matches_sorted_groups():
 
 def test_groups_given_once():
     x, w = jnp.zeros((4, 128), jnp.float32), jnp.zeros((2, 64, 128), jnp.float32)
-    with pytest.raises(ValueError, match="either as group_sizes .* not both"):
+    with pytest.raises(ValueError, match="as one of group_sizes .* got group_sizes and row_groups"):
         grouped_gemm(x, w, jnp.array([2, 2], jnp.int32), row_groups=jnp.zeros((4,), jnp.int32))
-    with pytest.raises(ValueError, match="not neither"):
+    with pytest.raises(ValueError, match="row_groups or slot_experts; got none"):
         grouped_gemm_swiglu(x, w, w)
     with pytest.raises(ValueError, match="row_groups has 3 entries for the 4 rows"):
         grouped_gemm(x, w, row_groups=jnp.zeros((3,), jnp.int32))

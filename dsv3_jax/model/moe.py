@@ -158,7 +158,8 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
                    *, gemm_impl: str = "bf16", scale_fmt: str | None = None, use_kernel: bool = False,
                    stack_index=None, row_scale: jnp.ndarray | None = None,
                    row_groups: jnp.ndarray | None = None, shared_w: jnp.ndarray | None = None,
-                   shared_w_scale: jnp.ndarray | None = None) -> jnp.ndarray:
+                   shared_w_scale: jnp.ndarray | None = None, slot_experts: jnp.ndarray | None = None,
+                   expert_offset=0) -> jnp.ndarray:
     """Rows of x (M, in), sorted by expert, times their expert's W^T (weight (E, out, in)) -> float32.
 
     group_sizes (E,) counts the rows of each expert; rows past their sum come out as zeros.
@@ -172,17 +173,21 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     `row_scale` (M,) float32 multiplies each row's float32 result (in the kernel, before its store).
     `row_groups` (M,) (kernel only) replaces group_sizes: rows in any order, each naming its expert.
     `shared_w` (out, S * in) (kernel, with row_groups): S more experts past the routed ones, chunks of it
-    along `in` (the shared experts' down projection; `grouped_gemm`).
+    along `in` (the shared experts' down projection; `grouped_gemm`). `slot_experts` (T, k) and
+    `expert_offset` (kernel only) replace both: the slots form (`grouped_gemm`'s).
     """
     if use_kernel:
-        x, x_scale, tiles = _kernel_inputs(x, scale is not None, gemm_impl, scale_fmt, row_groups is not None)
+        one_row_tiles = row_groups is not None or slot_experts is not None
+        x, x_scale, tiles = _kernel_inputs(x, scale is not None, gemm_impl, scale_fmt, one_row_tiles)
         return grouped_gemm(x, weight, group_sizes, scale, row_groups=row_groups, layer=stack_index,
                             out_dtype=jnp.float32, row_scale=row_scale, shared_w=shared_w,
-                            shared_w_scale=shared_w_scale, x_scale=x_scale, **tiles)
+                            shared_w_scale=shared_w_scale, x_scale=x_scale, slot_experts=slot_experts,
+                            expert_offset=expert_offset, **tiles)
     if scale is not None and gemm_impl == "fp8":
         x = _fp8_activations(x, scale_fmt, jnp.float32)
-    if stack_index is not None or row_groups is not None:
-        raise ValueError("grouped_matmul: a stack of layers' weights (`stack_index`) or `row_groups` needs the kernel")
+    if stack_index is not None or row_groups is not None or slot_experts is not None:
+        raise ValueError("grouped_matmul: a stack of layers' weights (`stack_index`), `row_groups` or `slot_experts` "
+                         "needs the kernel")
     if scale is not None:
         # the jnp twin, not the Pallas kernel: vmapped over experts, the kernel would address a 1-byte
         # stack of 2^31..2^32 elements with 32-bit offsets (see pallas_kernels/grouped.py)
@@ -198,15 +203,17 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
 def grouped_swiglu(x: jnp.ndarray, w1: jnp.ndarray, w3: jnp.ndarray, scale1: jnp.ndarray | None,
                    scale3: jnp.ndarray | None, group_sizes: jnp.ndarray | None, *, gemm_impl: str = "bf16",
                    scale_fmt: str | None = None, stack_index=None, row_groups: jnp.ndarray | None = None,
-                   **shared) -> jnp.ndarray:
+                   slot_experts: jnp.ndarray | None = None, expert_offset=0, **shared) -> jnp.ndarray:
     """silu(x W1_g^T) * (x W3_g^T) in x's dtype from one Pallas launch (`grouped_gemm_swiglu`):
     the "fused" routed-expert path's first half. Same arguments as `grouped_matmul` with
     use_kernel; with gemm_impl "fp8" and fp8 weights x is quantised through `act_quant` once (as there).
     `shared`: the shared experts' weights as more experts (`grouped_gemm_swiglu`'s shared_w1, ...)."""
     out_dtype = x.dtype
-    x, x_scale, tiles = _kernel_inputs(x, scale1 is not None, gemm_impl, scale_fmt, row_groups is not None)
+    one_row_tiles = row_groups is not None or slot_experts is not None
+    x, x_scale, tiles = _kernel_inputs(x, scale1 is not None, gemm_impl, scale_fmt, one_row_tiles)
     return grouped_gemm_swiglu(x, w1, w3, group_sizes, scale1, scale3, row_groups=row_groups, layer=stack_index,
-                               out_dtype=out_dtype, x_scale=x_scale, **shared, **tiles)
+                               out_dtype=out_dtype, x_scale=x_scale, slot_experts=slot_experts,
+                               expert_offset=expert_offset, **shared, **tiles)
 
 
 class Experts(nnx.Module):
@@ -263,7 +270,7 @@ class Experts(nnx.Module):
         mine = (local_ids >= 0) & (local_ids < local_experts)
         moe_impl = self.impl(tokens, topk, ctx)
         if moe_impl == "slots":
-            return self._slots(x, weights, jnp.where(mine, local_ids, -1), ctx, stack_index, shared)
+            return self._slots(x, weights, indices, first, ctx, stack_index, shared)
         if shared is not None:
             raise ValueError("Experts: the shared experts join the routed ones' kernels in slots steps only")
         sort_key = jnp.where(mine, local_ids, local_experts)  # foreign assignments sort to the end
@@ -310,37 +317,30 @@ class Experts(nnx.Module):
         out = jnp.where(mine[order][:, None], out, 0.0)  # rows of other ranks' experts were not computed
         return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
 
-    def _slots(self, x, weights, slot_experts, ctx: StepContext, stack_index, shared: MLP | None) -> jnp.ndarray:
+    def _slots(self, x, weights, indices, first, ctx: StepContext, stack_index,
+               shared: MLP | None) -> jnp.ndarray:
         """moe_impl "slots": the fused kernels over the (token, choice) slots in their own order,
-        one row each (`row_groups`), so no argsort, bincount, tile schedule or scatter-add runs;
-        slots of other ranks' experts (-1) come out zero. Each slot reads its expert's weights, so
-        experts chosen by several tokens are read several times: for steps of a few tokens.
-        With `shared`, each token has one more slot per shared expert (groups past the routed ones,
-        weight 1), after the routed slots chunk by chunk; the kernels read the shared MLP's weights in
-        place, several tokens' rows to a tile."""
+        one row each, found by the kernels from the router's expert ids (`slot_experts`, this rank's
+        experts from `first` on), so no argsort, bincount, schedule, row copy or scatter-add runs;
+        slots of other ranks' experts come out zero. Each slot reads its expert's weights, so experts
+        chosen by several tokens are read several times: for steps of a few tokens. With `shared`,
+        each token has one more slot per shared expert (groups past the routed ones, weight 1), after
+        the routed slots chunk by chunk; the kernels read the shared MLP's weights in place, several
+        tokens' rows to a tile."""
         tokens, topk = weights.shape
         stacked = stack_index if self.w1.weight.ndim == 4 else None
         scale = lambda linear: None if linear.scale is None else linear.scale[...]  # noqa: E731
-        # one row per slot, token-major: each is a tile of its own (padding the slots to a whole tile of
-        # rows would launch a tile per padded row too; benchmarks/NOTES.md)
-        rows, row_groups = jnp.repeat(x, topk, axis=0), slot_experts
-        row_weights = weights.reshape(-1).astype(jnp.float32)
         fused, down, chunks = {}, {}, 0
         if shared is not None:
-            # then each shared chunk's rows, chunk-major: the kernels read a chunk in tiles of several
-            # tokens' rows (`row_schedule` merges a run of one shared group)
             chunks = shared.w1.weight.shape[-2] // self.w1.weight.shape[-2]
-            ids = self.w1.weight.shape[-3] + jnp.arange(chunks, dtype=slot_experts.dtype)
-            rows = jnp.concatenate([rows, jnp.tile(x, (chunks, 1))])
-            row_groups = jnp.concatenate([row_groups, jnp.repeat(ids, tokens)])
-            row_weights = jnp.concatenate([row_weights, jnp.ones((chunks * tokens,), jnp.float32)])
             fused = dict(shared_w1=shared.w1.weight[...], shared_w3=shared.w3.weight[...],
                          shared_w1_scale=scale(shared.w1), shared_w3_scale=scale(shared.w3))
             down = dict(shared_w=shared.w2.weight[...], shared_w_scale=scale(shared.w2))
-        hidden = grouped_swiglu(rows, self.w1.weight[...], self.w3.weight[...], scale(self.w1), scale(self.w3),
-                                None, row_groups=row_groups, **ctx.gemm, stack_index=stacked, **fused)
-        out = grouped_matmul(hidden, self.w2.weight[...], scale(self.w2), None, row_groups=row_groups, **ctx.gemm,
-                             use_kernel=True, stack_index=stacked, row_scale=row_weights, **down)
+        slots = dict(slot_experts=indices, expert_offset=first, stack_index=stacked, **ctx.gemm)
+        hidden = grouped_swiglu(x, self.w1.weight[...], self.w3.weight[...], scale(self.w1), scale(self.w3), None,
+                                **slots, **fused)
+        out = grouped_matmul(hidden, self.w2.weight[...], scale(self.w2), None, use_kernel=True,
+                             row_scale=weights.reshape(-1).astype(jnp.float32), **slots, **down)
         routed = out[:tokens * topk].reshape(tokens, topk, -1).sum(axis=1)
         return routed + out[tokens * topk:].reshape(chunks, tokens, -1).sum(axis=0) if chunks else routed
 
