@@ -136,7 +136,7 @@ def _short_tiles(rows: int, one_row_tiles: bool) -> bool:
 
 def _kernel_tiles(rows: int, fp8: bool, one_row_tiles: bool = False) -> dict:
     """block_m, block_n of the grouped kernels: decode-sized batches, and tiles of one row each
-    (`row_groups`), get short row tiles; prefill taller tiles, which re-read each expert less often
+    (`slot_experts`), get short row tiles; prefill taller tiles, which re-read each expert less often
     (block_n <= 128 with fp8 weights). Past the same row count grouped_gemm runs bf16 weights on its
     wgmma kernel (with its own tiles) on sm_90."""
     block_m, block_n = (16, 64) if _short_tiles(rows, one_row_tiles) else (64, 128)
@@ -156,10 +156,9 @@ def _kernel_inputs(x, fp8_weights: bool, gemm_impl: str, scale_fmt, one_row_tile
 
 def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | None, group_sizes: jnp.ndarray | None,
                    *, gemm_impl: str = "bf16", scale_fmt: str | None = None, use_kernel: bool = False,
-                   stack_index=None, row_scale: jnp.ndarray | None = None,
-                   row_groups: jnp.ndarray | None = None, shared_w: jnp.ndarray | None = None,
-                   shared_w_scale: jnp.ndarray | None = None, slot_experts: jnp.ndarray | None = None,
-                   expert_offset=0) -> jnp.ndarray:
+                   stack_index=None, row_scale: jnp.ndarray | None = None, slot_experts: jnp.ndarray | None = None,
+                   expert_offset=0, shared_w: jnp.ndarray | None = None,
+                   shared_w_scale: jnp.ndarray | None = None) -> jnp.ndarray:
     """Rows of x (M, in), sorted by expert, times their expert's W^T (weight (E, out, in)) -> float32.
 
     group_sizes (E,) counts the rows of each expert; rows past their sum come out as zeros.
@@ -171,23 +170,21 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     for ue8m0 scales, within 2^-9 otherwise). With `stack_index` (kernel only),
     weight and scale are a stack over layers (L, E, out, in) of which layer `stack_index` is used.
     `row_scale` (M,) float32 multiplies each row's float32 result (in the kernel, before its store).
-    `row_groups` (M,) (kernel only) replaces group_sizes: rows in any order, each naming its expert.
-    `shared_w` (out, S * in) (kernel, with row_groups): S more experts past the routed ones, chunks of it
-    along `in` (the shared experts' down projection; `grouped_gemm`). `slot_experts` (T, k) and
-    `expert_offset` (kernel only) replace both: the slots form (`grouped_gemm`'s).
+    `slot_experts` (T, k) and `expert_offset` (kernel only) replace group_sizes: the rows are T tokens'
+    k routed slots, each naming its expert (`grouped_gemm`'s slots form; row_scale then (T k,)).
+    `shared_w` (out, S * in) (kernel, with slot_experts): S more experts past the routed ones, chunks of it
+    along `in` (the shared experts' down projection; `grouped_gemm`).
     """
     if use_kernel:
-        one_row_tiles = row_groups is not None or slot_experts is not None
-        x, x_scale, tiles = _kernel_inputs(x, scale is not None, gemm_impl, scale_fmt, one_row_tiles)
-        return grouped_gemm(x, weight, group_sizes, scale, row_groups=row_groups, layer=stack_index,
+        x, x_scale, tiles = _kernel_inputs(x, scale is not None, gemm_impl, scale_fmt, slot_experts is not None)
+        return grouped_gemm(x, weight, group_sizes, scale, layer=stack_index,
                             out_dtype=jnp.float32, row_scale=row_scale, shared_w=shared_w,
                             shared_w_scale=shared_w_scale, x_scale=x_scale, slot_experts=slot_experts,
                             expert_offset=expert_offset, **tiles)
     if scale is not None and gemm_impl == "fp8":
         x = _fp8_activations(x, scale_fmt, jnp.float32)
-    if stack_index is not None or row_groups is not None or slot_experts is not None:
-        raise ValueError("grouped_matmul: a stack of layers' weights (`stack_index`), `row_groups` or `slot_experts` "
-                         "needs the kernel")
+    if stack_index is not None or slot_experts is not None:
+        raise ValueError("grouped_matmul: a stack of layers' weights (`stack_index`) or `slot_experts` needs the kernel")
     if scale is not None:
         # the jnp twin, not the Pallas kernel: vmapped over experts, the kernel would address a 1-byte
         # stack of 2^31..2^32 elements with 32-bit offsets (see pallas_kernels/grouped.py)
@@ -202,16 +199,15 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
 
 def grouped_swiglu(x: jnp.ndarray, w1: jnp.ndarray, w3: jnp.ndarray, scale1: jnp.ndarray | None,
                    scale3: jnp.ndarray | None, group_sizes: jnp.ndarray | None, *, gemm_impl: str = "bf16",
-                   scale_fmt: str | None = None, stack_index=None, row_groups: jnp.ndarray | None = None,
-                   slot_experts: jnp.ndarray | None = None, expert_offset=0, **shared) -> jnp.ndarray:
+                   scale_fmt: str | None = None, stack_index=None, slot_experts: jnp.ndarray | None = None,
+                   expert_offset=0, **shared) -> jnp.ndarray:
     """silu(x W1_g^T) * (x W3_g^T) in x's dtype from one Pallas launch (`grouped_gemm_swiglu`):
     the "fused" routed-expert path's first half. Same arguments as `grouped_matmul` with
     use_kernel; with gemm_impl "fp8" and fp8 weights x is quantised through `act_quant` once (as there).
     `shared`: the shared experts' weights as more experts (`grouped_gemm_swiglu`'s shared_w1, ...)."""
     out_dtype = x.dtype
-    one_row_tiles = row_groups is not None or slot_experts is not None
-    x, x_scale, tiles = _kernel_inputs(x, scale1 is not None, gemm_impl, scale_fmt, one_row_tiles)
-    return grouped_gemm_swiglu(x, w1, w3, group_sizes, scale1, scale3, row_groups=row_groups, layer=stack_index,
+    x, x_scale, tiles = _kernel_inputs(x, scale1 is not None, gemm_impl, scale_fmt, slot_experts is not None)
+    return grouped_gemm_swiglu(x, w1, w3, group_sizes, scale1, scale3, layer=stack_index,
                                out_dtype=out_dtype, x_scale=x_scale, slot_experts=slot_experts,
                                expert_offset=expert_offset, **shared, **tiles)
 
