@@ -253,24 +253,28 @@ def mla_absorb_query_ref(q_nope, wkv_b, layer=None, *, wkv_b_scale=None):
     return jnp.einsum("bhd,hdc->bhc", q_nope.astype(jnp.float32), w_k).astype(q_nope.dtype)
 
 
-def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, block_c: int = 128,
+def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, nope: int | None = None, block_c: int = 128,
                      num_warps: int = 4, num_stages: int = 1) -> jax.Array:
     """The decode query in latent space: q_latent[b, h] = q_nope[b, h] @ W[h, :D], in q_nope's dtype
     (float32 accumulation), where W = wkv_b viewed as (H, D + V, C): its key half absorbed into the query.
 
-    q_nope: (B, H, D), D a power of two >= 16; wkv_b: (H (D + V), C) in q_nope's dtype, or a stack of
-    layers (L, H (D + V), C) with `layer` (int32 scalar), read in place. An fp8 wkv_b comes with
+    q_nope: (B, H, D), D a power of two >= 16, or with `nope` = D the whole query (B, H, D + rope), whose
+    first D columns the kernel reads in place (no slice of them copied out first); wkv_b: (H (D + V), C) in
+    q_nope's dtype, or a stack of layers (L, H (D + V), C) with `layer` (int32 scalar), read in place. An fp8 wkv_b comes with
     `wkv_b_scale`, its block scales ((L,) H (D + V) / 128, C / 128): each tile is dequantized to
     q_nope's dtype as it is loaded, as `weight_dequant` would. One program per (head, C block, batch block).
     """
-    batch, heads, nope = q_nope.shape
+    batch, heads, width = q_nope.shape
+    nope = width if nope is None else nope
     rank = wkv_b.shape[-1]
     w = _wkv_b_stack(_QUERY, wkv_b, layer, wkv_b_scale, heads, nope, rank, q_nope.dtype)
     _check_block(_QUERY, "D", nope)
+    if nope > width:
+        fail(_QUERY, f"nope={nope} exceeds the query's {width} columns")
     _check_block(_QUERY, "block_c", block_c, None if w.scale is None else BLOCK)
     interpret = use_interpret()
     if batch == 0 or interpret_in_shard_map(interpret, q_nope, wkv_b):
-        return mla_absorb_query_ref(q_nope, wkv_b, layer, wkv_b_scale=wkv_b_scale)
+        return mla_absorb_query_ref(q_nope[..., :nope], wkv_b, layer, wkv_b_scale=wkv_b_scale)
     block_b = _batch_block(batch)
     kernel = functools.partial(_query_kernel, batch=batch, nope=nope, per_head=w.stack.shape[1] // heads, rank=rank,
                                block_b=block_b, block_c=block_c, fp8=w.scale is not None)

@@ -67,12 +67,13 @@ def test_absorbed_decode_in_three_launches(batch, heads, lengths, splits, dtype=
     """mla_absorb_query, then mla_decode_splits and mla_decode_output: wkv_b's key half into the query,
     the attention over the cache and the new entry, the merge and wkv_b's value half, against float64.
     They read layer 1 of the wkv_b stack (layer 0 and the other heads' rows are O(1) off) and layer 1 of
-    the cache."""
+    the cache. The query's absorption reads q_nope from the whole query (B, H, nope + rope) with `nope`, as
+    the model passes it (reading its rope columns instead is O(1) off)."""
     rng = np.random.default_rng(batch + heads)
     wkv_b, q_nope, kv, pe, q_pe, new_kv, new_pe = absorbed_case(rng, batch, heads, nope, v_dim, rank, rope,
                                                                 lengths, kv_len, dtype)
     w = np.asarray(wkv_b, np.float64)[1].reshape(heads, nope + v_dim, rank)
-    q_latent = mla_absorb_query(q_nope, wkv_b, jnp.int32(1))
+    q_latent = mla_absorb_query(jnp.concatenate([q_nope, q_pe], -1), wkv_b, jnp.int32(1), nope=nope)
     want_q = np.einsum("bhd,hdc->bhc", np.asarray(q_nope, np.float64), w[:, :nope])
     assert np.abs(np.asarray(q_latent, np.float64) - want_q).max() <= tol * np.abs(want_q).max()
     q_latent = 0.1 * q_latent  # scores of a moderate spread

@@ -97,18 +97,19 @@ class MLA(nnx.Module):
         `cache` is read, not written: attention sees its window with this chunk's entries put in
         place, and the caller stores the returned entries (see `write_cache`)."""
         batch, seq, _ = x.shape
-        q_nope, q_pe, latent, k_pe = self._project(x, ctx, stack_index)
+        q, q_pe, latent, k_pe = self._project(x, ctx, stack_index)
         flash = flash_impl(ctx.options.prefill_attn, seq, cache is not None)
         if ctx.options.attn_impl == "naive":
-            out, entries = self._naive(q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index)
+            out, entries = self._naive(q[..., :self.nope_dim], q_pe, latent, k_pe, ctx, cache, layer, flash,
+                                       stack_index)
         else:
-            out, entries = self._absorb(q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index)
+            out, entries = self._absorb(q, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index)
         return self.wo(out.reshape(batch, seq, -1), reduce=ctx.layout.axes("heads"), layer=stack_index,
                        **ctx.gemm), entries
 
     def _project(self, x: jnp.ndarray, ctx: StepContext, stack_index=None):
-        """The rotated query halves (B, S, H, nope), (B, S, H, rope), the normed latent (B, S, C) and
-        the rotated shared rotary key (B, S, rope) of the chunk."""
+        """The query (B, S, H, nope + rope; its nope half is q_nope), its rotated rope half (B, S, H, rope),
+        the normed latent (B, S, C) and the rotated shared rotary key (B, S, rope) of the chunk."""
         batch, seq, _ = x.shape
         gemm = dict(ctx.gemm, layer=stack_index)
         if hasattr(self, "wq"):
@@ -116,12 +117,11 @@ class MLA(nnx.Module):
         else:
             q = self.wq_b(self.q_norm(self.wq_a(x, **gemm)), **gemm)
         q = q.reshape(batch, seq, -1, self.nope_dim + self.rope_dim)
-        q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim:]
-        q_pe = apply_rotary(q_pe, ctx.cos, ctx.sin, self.rope_interleave)
+        q_pe = apply_rotary(q[..., self.nope_dim:], ctx.cos, ctx.sin, self.rope_interleave)
         kv = self.wkv_a(x, **gemm)
         latent, k_pe = kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank:]
         k_pe = apply_rotary(k_pe, ctx.cos, ctx.sin, self.rope_interleave)
-        return q_nope, q_pe, self.kv_norm(latent), k_pe
+        return q, q_pe, self.kv_norm(latent), k_pe
 
     def _naive(self, q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index):
         """Per-head keys and values from wkv_b, cached as such."""
@@ -142,14 +142,16 @@ class MLA(nnx.Module):
             out = _einsum("bsht,bthd->bshd", probs, values).astype(dtype)
         return out, dict(k=k, v=v)
 
-    def _absorb(self, q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index):
-        """The latent cache. Single-token and short steps fold wkv_b into the query and the output and
-        attend over the latents; prefill chunks expand the window's latents into per-head keys and
-        values for flash attention (fewer FLOPs per score, and no score buffer)."""
-        heads, dtype = q_nope.shape[2], q_nope.dtype
-        kernel = decode_kernel(ctx.options.decode_attn) and q_nope.shape[1] == 1 and cache is not None
+    def _absorb(self, q, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index):
+        """The latent cache (q: the whole query, its nope half then q_pe's columns). Single-token and short
+        steps fold wkv_b into the query and the output and attend over the latents; prefill chunks expand
+        the window's latents into per-head keys and values for flash attention (fewer FLOPs per score, and
+        no score buffer)."""
+        heads, dtype = q.shape[2], q.dtype
+        kernel = decode_kernel(ctx.options.decode_attn) and q.shape[1] == 1 and cache is not None
         if kernel and not ctx.kv_start and self._absorbs_in_kernels(dtype):
-            return self._decode_in_three_launches(q_nope, q_pe, latent, k_pe, ctx, cache, layer, stack_index)
+            return self._decode_in_three_launches(q, q_pe, latent, k_pe, ctx, cache, layer, stack_index)
+        q_nope = q[..., :self.nope_dim]
         wkv_b = layer_of(self.wkv_b, stack_index).dequantized(dtype).reshape(heads, self.nope_dim + self.v_dim,
                                                                              self.kv_lora_rank)
         w_k, w_v = wkv_b[:, : self.nope_dim], wkv_b[:, self.nope_dim:]
@@ -183,18 +185,18 @@ class MLA(nnx.Module):
         return (self.nope_dim >= 16 and not self.nope_dim & (self.nope_dim - 1)
                 and (self.wkv_b.scale is not None or self.wkv_b.weight.dtype == dtype))
 
-    def _decode_in_three_launches(self, q_nope, q_pe, latent, k_pe, ctx, cache, layer, stack_index):
+    def _decode_in_three_launches(self, q, q_pe, latent, k_pe, ctx, cache, layer, stack_index):
         """Absorbed single-token attention as three kernels: the query's absorption into the latent
         space, the attention over the cache read in place (split over its positions), then the splits'
         merge with the new entry and the output's projection through wkv_b's value half. The weights are
         read from their layer stack in place, fp8 ones dequantized tile by tile in the kernels where their
-        blocks align (else dequantized first)."""
+        blocks align (else dequantized first). The query's nope half is read from the whole query in place."""
         wkv_b, index, scale = self.wkv_b.weight[...], stack_index, None
         if self.wkv_b.scale is not None and fp8_wkv_b_aligned(self.nope_dim, self.v_dim, self.kv_lora_rank):
             scale = self.wkv_b.scale[...]
         elif self.wkv_b.scale is not None:
-            wkv_b, index = layer_of(self.wkv_b, stack_index).dequantized(q_nope.dtype), None
-        q_latent = mla_absorb_query(q_nope[:, 0], wkv_b, index, wkv_b_scale=scale)
+            wkv_b, index = layer_of(self.wkv_b, stack_index).dequantized(q.dtype), None
+        q_latent = mla_absorb_query(q[:, 0], wkv_b, index, wkv_b_scale=scale, nope=self.nope_dim)
         splits = mla_decode_splits(q_latent, q_pe[:, 0], cache["kv"], cache["pe"], layer, ctx.positions[:, 0],
                                    kv_len=ctx.kv_len, scale=self.softmax_scale)
         out = mla_decode_output(*splits, q_latent, q_pe[:, 0], latent[:, 0], k_pe[:, 0], wkv_b, index,
