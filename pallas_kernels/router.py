@@ -53,13 +53,15 @@ def route(logits: jax.Array, bias: jax.Array | None = None, *, topk: int, n_grou
     operands = match_vma(vma, *operands)
     weights, indices = pl.pallas_call(
         functools.partial(_kernel, m=m, experts=experts, rows=rows, k_padded=k_padded, has_bias=has_bias, **static),
-        out_shape=(result((m, k_padded), jnp.float32, vma), result((m, k_padded), jnp.int32, vma)),
+        # (M, topk) written in place: the slots past topk of the kernel's power-of-two tile are masked off,
+        # so no slice of the results runs after it
+        out_shape=(result((m, topk), jnp.float32, vma), result((m, topk), jnp.int32, vma)),
         grid=(cdiv(m, rows),),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name=_FN,
     )(*operands)
-    return weights[:, :topk], indices[:, :topk]
+    return weights, indices
 
 
 def _kernel(logits_ref, *refs, m, experts, rows, k_padded, has_bias, topk, n_groups, topk_groups, score_func,
@@ -121,8 +123,9 @@ def _kernel(logits_ref, *refs, m, experts, rows, k_padded, has_bias, topk, n_gro
     if normalize:
         weights = weights / jnp.sum(weights, axis=1, keepdims=True)
     weights = weights * route_scale
-    plgpu.store(weights_ref.at[block, :], weights, mask=row_ok[:, None])
-    plgpu.store(indices_ref.at[block, :], indices, mask=row_ok[:, None])
+    stored = row_ok[:, None] & (slot < topk)
+    plgpu.store(weights_ref.at[block, pl.ds(0, k_padded)], weights, mask=stored)
+    plgpu.store(indices_ref.at[block, pl.ds(0, k_padded)], indices, mask=stored)
 
 
 def _check(logits, bias, topk, n_groups, topk_groups, score_func, block_rows) -> None:
