@@ -14,7 +14,7 @@ from pallas_kernels import fp8_gemm_reads_stacks_in_place
 from ..config import ModelArgs
 from ..options import StepContext
 from .attention import MLA
-from .layers import RMSNorm
+from .layers import RMSNorm, dequant_kernel_applies
 from .moe import MLP, MoE
 
 
@@ -57,8 +57,9 @@ class Block(nnx.Module):
 
 
 WHOLE_STACKS = ("experts", "shared_experts", "wkv_b")
-# with gemm_impl "fp8" the fp8 GEMM kernel reads the dense projections too, in place where its Triton
-# kernel runs (decode-sized steps); the bf16 path and the Mosaic kernel slice them
+# fp8 dense projections are read in place by the fp8 GEMM's Triton kernel (gemm_impl "fp8", decode-sized
+# steps) and by `Linear.dequantizing_kernel` (gemm_impl "bf16", decode-sized steps); XLA's GEMMs and the
+# Mosaic kernel slice them
 FP8_GEMM_STACKS = ("wq", "wq_a", "wq_b", "wkv_a", "wo", "w1", "w2", "w3")
 
 
@@ -71,7 +72,9 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None
     # the weights that Pallas kernels read stay whole, the kernels indexing the layer (a slice of the
     # stack passed to a kernel is copied out first): routed and shared experts, wkv_b, and under
     # gemm_impl "fp8" the projections where the fp8 GEMM reads them in place; the rest is scanned over
-    in_place = ctx.options.gemm_impl == "fp8" and fp8_gemm_reads_stacks_in_place(x.shape[0] * x.shape[1])
+    rows, fp8 = x.shape[0] * x.shape[1], stack.attn.wkv_a.scale is not None
+    in_place = fp8 and ((ctx.options.gemm_impl == "fp8" and fp8_gemm_reads_stacks_in_place(rows))
+                        or dequant_kernel_applies(ctx.options.gemm_impl, rows))
     names = WHOLE_STACKS + (FP8_GEMM_STACKS if in_place else ())
     graphdef, whole, rest = nnx.split(stack, nnx.Any(*map(nnx.PathContains, names)), ...)
     depth = jax.tree.leaves(rest)[0].shape[0]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import FP8_BLOCK, FP8_DTYPE, act_quant, cdiv, fp8_gemm, weight_dequant
+from pallas_kernels import FP8_BLOCK, FP8_DTYPE, act_quant, cdiv, fp8_gemm, grouped_gemm, use_interpret, weight_dequant
 
 from ..sharding import LOGICAL_AXES, Layout
 
@@ -44,6 +44,17 @@ def init_fp8(rngs: nnx.Rngs | None, shape):
     return jax.lax.bitcast_convert_type(bits, FP8_DTYPE)
 
 
+# fp8 weights under gemm_impl "bf16" in steps of at most this many rows (decode, speculative verification):
+# the grouped kernel as one group dequantizes the weight tile by tile as it reads the fp8 bytes, and reads
+# its layer of a stack in place, where dequantizing first writes and reads the whole weight in bf16 every step
+DEQUANT_KERNEL_MAX_ROWS = 64
+
+
+def dequant_kernel_applies(gemm_impl: str, rows: int) -> bool:
+    """Whether fp8 projections of a step of `rows` rows run `Linear`'s in-kernel dequantizing form (on a GPU)."""
+    return gemm_impl == "bf16" and rows <= DEQUANT_KERNEL_MAX_ROWS and not use_interpret()
+
+
 class Linear(nnx.Module):
     """y = x W^T with W (out, in), optionally stacked (leading layer / expert axes).
 
@@ -69,6 +80,17 @@ class Linear(nnx.Module):
             self.weight = param(init_normal(rngs, shape, param_dtype, std), stack_partition + split)
             self.scale = None
 
+    def dequantizing_kernel(self, x: jnp.ndarray, layer=None) -> jnp.ndarray:
+        """x W^T in float32 for an fp8 W, gemm_impl "bf16"'s math (W's tiles dequantized to x's dtype) from the
+        grouped kernel with all rows in one group: it reads the fp8 weight, and layer `layer` of a stack in
+        place."""
+        rows = x.reshape(-1, x.shape[-1])
+        w, s = self.weight[...], self.scale[...]
+        w, s = (w[:, None], s[:, None]) if layer is not None else (w[None], s[None])
+        y = grouped_gemm(rows, w, jnp.full((1,), rows.shape[0], jnp.int32), s, layer=layer, out_dtype=jnp.float32,
+                         block_m=16, block_n=64)
+        return y.reshape(*x.shape[:-1], -1)
+
     def dequantized(self, dtype) -> jnp.ndarray:
         """The weight in `dtype` (block scales applied when the weight is fp8)."""
         if self.scale is None:
@@ -84,6 +106,9 @@ class Linear(nnx.Module):
             xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
             y = fp8_gemm(xq, xs, self.weight[...], self.scale[...], out_dtype=jnp.float32,
                          layer=layer if whole else None)
+        elif (self.scale is not None and x.shape[-1] % FP8_BLOCK == 0
+              and dequant_kernel_applies(gemm_impl, math.prod(x.shape[:-1]))):
+            y = self.dequantizing_kernel(x, layer if whole else None)
         else:
             w = (layer_of(self, layer) if whole else self).dequantized(x.dtype)
             y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
