@@ -270,6 +270,7 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
     form, group_data = groups
     ids = group_data.experts.reshape(-1) if form == "slots" else group_data
+    group_operands = (ids, group_data.offset) if form == "slots" else (ids,)
     m, k = _check(fn, x, w[0] if stacked else w, (form, ids), None if w_scale is None else
                   (w_scale[0] if stacked else w_scale), block_m, block_n, x_scale)
     if form != "slots" and row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
@@ -280,7 +281,7 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     n_shared = 0 if shared is None else shared.count(fn, n, k, fp8, x.dtype, stacked)
     slots = None if form != "slots" else _slot_layout(fn, x, group_data, n_shared, row_scale)
     interpret = use_interpret()
-    if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, *ws, ids):
+    if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, *ws, *group_operands):
         if slots is not None:
             groups, x, x_scale, row_scale = _slot_rows(slots, group_data, n_groups, x, x_scale, row_scale)
         return _twin(x, ws, scales, groups, layer if stacked else None, row_scale, swiglu, out_dtype, shared,
@@ -293,7 +294,7 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     if fp8:
         ws, shared_ws, x = tuple(map(byte_pairs, ws)), tuple(map(byte_pairs, shared_ws)), even_odd_columns(x)
     launch = _Launch(fn, swiglu, fp8, out_dtype, block_m, block_n, num_warps, num_stages, n_groups,
-                     None if shared is None else shared.axis, interpret, vma_union(x, *ws, ids))
+                     None if shared is None else shared.axis, interpret, vma_union(x, *ws, *group_operands))
     weights = ([*ws, *shared_ws] + (list(scales) + list(shared_scales) if fp8 else []))
     if slots is not None:
         # no schedule and no padded copies: each program finds its rows from the ids, loads masked

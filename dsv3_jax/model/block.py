@@ -70,8 +70,8 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None
     (depth, B, S, ...), and with `loads` the stacked expert loads (depth, E) (None for dense layers).
     `remat` recomputes each layer's activations in the backward pass instead of keeping them (training)."""
     # the weights that Pallas kernels read stay whole, the kernels indexing the layer (a slice of the
-    # stack passed to a kernel is copied out first): routed and shared experts, wkv_b, and under
-    # gemm_impl "fp8" the projections where the fp8 GEMM reads them in place; the rest is scanned over
+    # stack passed to a kernel is copied out first): routed and shared experts, wkv_b, and the fp8
+    # projections in the steps where a kernel reads them in place (FP8_GEMM_STACKS); the rest is scanned over
     rows, fp8 = x.shape[0] * x.shape[1], stack.attn.wkv_a.scale is not None
     in_place = fp8 and ((ctx.options.gemm_impl == "fp8" and fp8_gemm_reads_stacks_in_place(rows))
                         or dequant_kernel_applies(ctx.options.gemm_impl, rows))

@@ -262,13 +262,13 @@ class Experts(nnx.Module):
             raise ValueError("Experts: a stack of layers' weights goes with `stack_index`")
         local_experts = self.w1.weight.shape[-3]
         first = ctx.layout.index("experts") * local_experts
-        local_ids = indices.reshape(-1) - first
-        mine = (local_ids >= 0) & (local_ids < local_experts)
         moe_impl = self.impl(tokens, topk, ctx)
         if moe_impl == "slots":
             return self._slots(x, weights, indices, first, ctx, stack_index, shared)
         if shared is not None:
             raise ValueError("Experts: the shared experts join the routed ones' kernels in slots steps only")
+        local_ids = indices.reshape(-1) - first
+        mine = (local_ids >= 0) & (local_ids < local_experts)
         sort_key = jnp.where(mine, local_ids, local_experts)  # foreign assignments sort to the end
         order = jnp.argsort(sort_key, stable=True)
         token_of = order // topk
