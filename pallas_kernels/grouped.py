@@ -251,7 +251,7 @@ def _slot_rows(layout: _SlotLayout, slots: _Slots, n_groups: int, x, x_scale, ro
     ids = slots.experts.reshape(-1).astype(jnp.int32) - slots.offset
     shared_groups = n_groups + jnp.repeat(jnp.arange(layout.chunks, dtype=jnp.int32), layout.tokens)
     row_groups = jnp.concatenate([jnp.where((ids >= 0) & (ids < n_groups), ids, -1), shared_groups])
-    per_row = lambda a: None if a is None or not layout.x_by_token else jnp.concatenate(  # noqa: E731
+    per_row = lambda a: None if a is None else jnp.concatenate(  # noqa: E731
         [jnp.repeat(a, layout.topk, axis=0), jnp.tile(a, (layout.chunks, 1))])
     x, x_scale = (per_row(x), per_row(x_scale)) if layout.x_by_token else (x, x_scale)
     if row_scale is not None:
