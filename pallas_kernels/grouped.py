@@ -500,7 +500,8 @@ def _slot_tile(layer_ref, offset_ref, ids_ref, tile, *, slots: _SlotLayout, n_gr
     named = ((group >= 0) & (group < n_groups)).astype(jnp.int32)
     shared_row = jnp.maximum(tile - slots.routed, 0)
     chunk, token = shared_row // slots.tokens, shared_row % slots.tokens
-    first = jnp.where(token % block_m == 0, 1, COVERED)
+    # typed constants: Triton's lowering gives a weak literal of a scalar select the predicate's type (i1)
+    first = jnp.where(token % block_m == 0, jnp.int32(1), jnp.int32(COVERED))
     end = jnp.minimum(tile + block_m, slots.routed + (chunk + 1) * slots.tokens)
     x_row = jnp.where(routed, tile // slots.topk, token) if slots.x_by_token else tile
     return _Tile(jnp.where(routed, named, first), jnp.where(routed, jnp.clip(group, 0, n_groups - 1), n_groups + chunk),
