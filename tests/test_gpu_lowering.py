@@ -1,0 +1,99 @@
+"""Every kernel path the "auto" options take on an H200 lowers for CUDA, checked on a CPU.
+
+Pallas' interpret mode (the CPU tests) never runs the Triton or Mosaic GPU lowering, so a kernel that
+computes the right numbers in interpret mode can still fail to compile on a GPU (a scalar select's
+literals typed as its i1 predicate did; every slots-form launch then failed). Both lowerings run in
+Python: here the steps of tests/test_auto_paths_gpu.py's small V3 model are lowered for the "cuda"
+platform with the backend queries answering as an H200 would (`jax.default_backend()` "gpu", compute
+capability 9.0, the kernels' `hopper()` true), and the test asserts that each step lowers and which
+kernels it holds: the same (Mosaic, Triton) facts test_auto_paths_gpu.py asserts on a GPU, and the
+decode kernels by name. Nothing is compiled or run; a fresh jitted step per lowering keeps these
+traces out of the memoized steps that other tests run on the CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import re
+from collections import Counter
+from types import SimpleNamespace
+
+import jax
+import pytest
+from jax._src.pallas.triton import pallas_call_registration as triton_registration
+
+import dsv3_jax
+from dsv3_jax.decode.step import make_step
+from test_auto_paths_gpu import KERNELS, MOSAIC, STEPS, TRITON, small_v3, step_inputs, variant
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# the kernels of every MLA + MoE decode step (three MLA launches, the router, the two slot kernels)
+DECODE_KERNELS = {"mla_absorb_query", "mla_decode", "mla_decode_output", "route", "grouped_gemm_swiglu",
+                  "grouped_gemm"}
+
+
+@contextlib.contextmanager
+def lowering_as_on_an_h200():
+    """The backend queries the kernels and the model dispatch on answer as on an H200 (sm_90)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jax, "default_backend", lambda: "gpu")
+        patch.setattr(triton_registration.gpu_info_lib, "get_gpu_info",
+                      lambda: SimpleNamespace(compute_capability=90))
+        for name in ("gemm", "flash_attention", "grouped"):
+            patch.setattr(importlib.import_module(f"pallas_kernels.{name}"), "hopper", lambda: True)
+        yield
+    jax.clear_caches()
+
+
+def lowered_steps(model, steps=STEPS, *, unroll: bool = False) -> list[str]:
+    """The CUDA lowering's text of each of `steps` (on the model's empty cache: lowering reads shapes)."""
+    parts = model.parts
+    if unroll:  # what decode graphs trace (`decode_step_parts`)
+        parts = parts._replace(options=dataclasses.replace(parts.options, unroll=True))
+    texts = []
+    with lowering_as_on_an_h200():
+        step = make_step.__wrapped__(parts)  # a fresh jit: its traces stay here
+        for seed, (_, batch, seq, start) in enumerate(steps):
+            tokens, starts, last, kv_len = step_inputs(model.args, batch, seq, start, seed)
+            traced = step.trace(model.state, model.cache, tokens, starts, last, kv_len=kv_len)
+            texts.append(traced.lower(lowering_platforms=("cuda",)).as_text())
+    return texts
+
+
+def triton_kernels(text: str) -> Counter:
+    """The Pallas Triton kernels of a lowered step, by name, with their launch counts."""
+    return Counter(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*name = "([a-z_0-9]+)"', text))
+
+
+@pytest.fixture(scope="module")
+def built():
+    return {weights: dsv3_jax.build(small_v3(weights), seed=0) for weights in ("bf16", "fp8")}
+
+
+@pytest.mark.parametrize("weights, gemm_impl", list(KERNELS))
+def test_every_auto_path_lowers_for_an_h200(built, weights, gemm_impl):
+    model = variant(built[weights], gemm_impl=gemm_impl)
+    for (what, _, seq, _), text, kernels in zip(STEPS, lowered_steps(model), KERNELS[weights, gemm_impl],
+                                                strict=True):
+        assert (MOSAIC in text, TRITON in text) == kernels, f"{what}: kernels in the step differ from {kernels}"
+        names = triton_kernels(text)
+        if seq == 1:
+            assert DECODE_KERNELS <= set(names), f"{what}: {sorted(DECODE_KERNELS - set(names))} missing"
+        if weights == "fp8" and gemm_impl == "bf16":
+            # decode-sized steps dequantize fp8 projections inside the grouped kernel, prefill first
+            assert ("weight_dequant" in names) == (seq > 1), f"{what}: {dict(names)}"
+            assert seq > 1 or names["grouped_gemm"] > 1, f"{what}: no dequantizing projection: {dict(names)}"
+        if gemm_impl == "fp8":
+            assert names["act_quant"] and (names["fp8_gemm"] or MOSAIC in text), f"{what}: {dict(names)}"
+
+
+def test_unrolled_decode_steps_lower_for_an_h200(built):
+    """Decode graphs trace the layers unrolled: no loop, each kernel launched once a layer."""
+    model = variant(built["fp8"], gemm_impl="fp8")
+    args, decode = model.args, [step for step in STEPS if step[2] == 1]
+    for (what, *_), text in zip(decode, lowered_steps(model, decode, unroll=True), strict=True):
+        assert "stablehlo.while" not in text, f"{what}: a loop in the unrolled step"
+        names = triton_kernels(text)
+        assert names["mla_decode"] == args.n_layers, f"{what}: {dict(names)}"
+        assert names["grouped_gemm_swiglu"] == args.n_layers - args.n_dense_layers, f"{what}: {dict(names)}"
