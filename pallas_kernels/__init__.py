@@ -9,6 +9,7 @@
     o = mla_decode(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_pe, scale=s)
     o = flash_attention(q, k, v, positions, scale=s, kv_start=0)  # causal prefill, no (S, T) scores
     w, i = route(logits, bias, topk=k, n_groups=g, topk_groups=kg, score_func="sigmoid")  # MoE routing
+    y, h = rms_norm(x, weight, eps=1e-6, residual=r)              # RMSNorm of x + r, and x + r, one launch
 
 On an NVIDIA GPU the kernels compile through Pallas' Triton backend; on Hopper (sm_90) fp8_gemm at
 M >= 128 (gemm_mgpu; fp8_gemm_path says which), grouped_gemm for prefill-sized steps (grouped_mgpu;
@@ -17,7 +18,7 @@ GPU kernels (TMA, wgmma). On any other backend they run in Pallas interpret mode
 slowly), except flash_attention, which runs its jnp twin there (an online softmax over key blocks).
 All are jit- and shard_map-compatible. `pallas_kernels.reference` holds plain-jnp twins used as the
 tests' oracle. The modules are named for what they do (quantize, dequantize, gemm, grouped, mla,
-flash_attention), so that each stays reachable beside the function it exports. FP8_BLOCK,
+flash_attention, norm, router), so that each stays reachable beside the function it exports. FP8_BLOCK,
 FP8_DTYPE and cdiv are the one definition the model uses too.
 """
 from ._common import BLOCK as FP8_BLOCK, FP8 as FP8_DTYPE, cdiv, use_interpret
@@ -29,9 +30,10 @@ from .gemm_mgpu import MosaicGemmConfig
 from .grouped import grouped_gemm, grouped_gemm_backend, grouped_gemm_swiglu
 from .grouped_mgpu import MOSAIC_MIN_ROWS, MosaicTiles, grouped_gemm_mgpu
 from .mla import mla_decode
+from .norm import rms_norm
 from .quantize import act_quant
 from .router import route
 
 __all__ = ["FP8_BLOCK", "FP8_DTYPE", "FlashTiles", "GemmConfig", "MOSAIC_MIN_ROWS", "MosaicGemmConfig", "MosaicTiles",
            "act_quant", "cdiv", "flash_attention", "fp8_gemm", "fp8_gemm_path", "fp8_gemm_reads_stacks_in_place", "grouped_gemm", "grouped_gemm_backend",
-           "grouped_gemm_mgpu", "grouped_gemm_swiglu", "mla_decode", "route", "use_interpret", "weight_dequant"]
+           "grouped_gemm_mgpu", "grouped_gemm_swiglu", "mla_decode", "rms_norm", "route", "use_interpret", "weight_dequant"]

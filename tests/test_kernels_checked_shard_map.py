@@ -19,6 +19,7 @@ import pallas_kernels
 from kernel_checks import activations, fp8_weight, gemm_tolerance, rel_l2
 from pallas_kernels import act_quant, fp8_gemm, grouped_gemm, grouped_gemm_swiglu, mla_decode, route, weight_dequant
 from pallas_kernels.mla import mla_absorb_query, mla_decode_output, mla_decode_splits
+from pallas_kernels.norm import latent_norm_rope, rms_norm
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -72,6 +73,12 @@ def output_operands(rng):
     return acc, maxima, sums, 0.3 * f(2, 8, 64), 0.3 * f(2, 8, 16), f(2, 64), f(2, 16), f(2, 8 * 48, 64), jnp.int32(1)
 
 
+def norm_operands(rng):
+    """float32 rows (3, 512) and a residual, a 2-layer norm weight stack, layer 1."""
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    return f(3, 512), f(3, 512), jnp.abs(f(2, 512)) + 0.5, jnp.int32(1)
+
+
 def merged_splits(q_latent, q_pe, kv_cache, pe_cache, layer, lengths):
     """`mla_decode_splits`' partial softmaxes merged (the twin keeps one split, the kernel several)."""
     acc, maxima, sums = mla_decode_splits(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, kv_len=64, scale=0.2)
@@ -99,6 +106,13 @@ CASES = {
     "mla_absorb_query": ("mla", "mla_absorb_query_ref", mla_absorb_query, absorb_operands, 1e-5),
     "mla_decode_output": ("mla", "mla_decode_output_ref", functools.partial(mla_decode_output, scale=0.2, v_dim=32),
                           output_operands, 1e-5),
+    "rms_norm": ("norm", "rms_norm_ref", lambda x, r, w, layer: rms_norm(x, w, eps=1e-6, residual=r, layer=layer),
+                 norm_operands, 1e-6),
+    "latent_norm_rope": ("norm", "latent_norm_rope_ref",
+                         lambda kv, w, c, s, layer: latent_norm_rope(kv, w, c, s, eps=1e-6, rank=512, layer=layer),
+                         lambda rng: (jnp.asarray(rng.standard_normal((3, 576)), jnp.float32), norm_operands(rng)[2],
+                                      jnp.cos(norm_operands(rng)[0][:, :32]), jnp.sin(norm_operands(rng)[0][:, :32]),
+                                      jnp.int32(0)), 1e-6),
     "route": ("router", "route_ref",
               functools.partial(route, topk=4, n_groups=4, topk_groups=2, score_func="sigmoid", normalize=True),
               lambda rng: (jnp.asarray(rng.standard_normal((6, 32)), jnp.float32),

@@ -14,10 +14,11 @@ from flax import nnx
 
 from pallas_kernels import flash_attention, mla_decode
 from pallas_kernels.mla import fp8_wkv_b_aligned, mla_absorb_query, mla_decode_output, mla_decode_splits
+from pallas_kernels.norm import latent_norm_rope, norm_chunk
 
 from ..config import ModelArgs
 from ..options import StepContext
-from .layers import Linear, RMSNorm, layer_of
+from .layers import Linear, RMSNorm, layer_of, norm_kernel_applies
 from .rope import apply_rotary
 
 
@@ -115,13 +116,21 @@ class MLA(nnx.Module):
         if hasattr(self, "wq"):
             q = self.wq(x, **gemm)
         else:
-            q = self.wq_b(self.q_norm(self.wq_a(x, **gemm)), **gemm)
+            q = self.wq_b(self.q_norm(self.wq_a(x, **gemm), layer=stack_index), **gemm)
         q = q.reshape(batch, seq, -1, self.nope_dim + self.rope_dim)
         q_pe = apply_rotary(q[..., self.nope_dim:], ctx.cos, ctx.sin, self.rope_interleave)
-        kv = self.wkv_a(x, **gemm)
-        latent, k_pe = kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank:]
-        k_pe = apply_rotary(k_pe, ctx.cos, ctx.sin, self.rope_interleave)
-        return q, q_pe, self.kv_norm(latent), k_pe
+        return (q, q_pe, *self._latent_and_rotary_key(self.wkv_a(x, **gemm), ctx, stack_index))
+
+    def _latent_and_rotary_key(self, kv, ctx: StepContext, stack_index):
+        """wkv_a's output (B, S, C + rope) split: the normed latent, read in place, and the rotated shared
+        key; in decode-sized steps on a GPU one kernel does both."""
+        rank, rope = self.kv_lora_rank, self.rope_dim
+        if norm_kernel_applies(kv.shape[0] * kv.shape[1]) and norm_chunk(rank) and not rope & (rope - 1):
+            weight = self.kv_norm.weight[...]
+            return latent_norm_rope(kv, weight, ctx.cos, ctx.sin, eps=self.kv_norm.eps, rank=rank,
+                                    layer=stack_index if weight.ndim == 2 else None, interleaved=self.rope_interleave)
+        k_pe = apply_rotary(kv[..., rank:], ctx.cos, ctx.sin, self.rope_interleave)
+        return self.kv_norm(kv, layer=stack_index, columns=rank), k_pe
 
     def _naive(self, q_nope, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index):
         """Per-head keys and values from wkv_b, cached as such."""

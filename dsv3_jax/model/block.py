@@ -14,7 +14,7 @@ from pallas_kernels import fp8_gemm_reads_stacks_in_place
 from ..config import ModelArgs
 from ..options import StepContext
 from .attention import MLA
-from .layers import RMSNorm, dequant_kernel_applies
+from .layers import RMSNorm, dequant_kernel_applies, norm_kernel_applies
 from .moe import MLP, MoE
 
 
@@ -39,12 +39,11 @@ class Block(nnx.Module):
         (None: no cache, the chunk attends to itself); `stack_index` (the layer's place in its
         stack) the weight stacks that hold every layer of it (see `run_stack`)."""
         with jax.named_scope("attn_norm"):
-            normed = self.attn_norm(x)
+            normed = self.attn_norm(x, layer=stack_index)
         with jax.named_scope("attention"):
             attn_out, entries = self.attn(normed, ctx, cache, layer, stack_index)
-        h = x + attn_out
         with jax.named_scope("ffn_norm"):
-            normed = self.ffn_norm(h)
+            normed, h = self.ffn_norm(x, residual=attn_out, layer=stack_index)
         expert_loads = None
         if isinstance(self.ffn, MoE):
             ffn_out = self.ffn(normed, ctx, stack_index, loads=loads)
@@ -61,6 +60,8 @@ WHOLE_STACKS = ("experts", "shared_experts", "wkv_b")
 # steps) and by `Linear.dequantizing_kernel` (gemm_impl "bf16", decode-sized steps); XLA's GEMMs and the
 # Mosaic kernel slice them
 FP8_GEMM_STACKS = ("wq", "wq_a", "wq_b", "wkv_a", "wo", "w1", "w2", "w3")
+# read in place by the one-launch RMSNorm (decode-sized steps, `norm_kernel_applies`)
+NORM_STACKS = ("attn_norm", "ffn_norm", "q_norm", "kv_norm")
 
 
 def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None, first_layer: int, *,
@@ -75,9 +76,9 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None
     rows, fp8 = x.shape[0] * x.shape[1], stack.attn.wkv_a.scale is not None
     in_place = fp8 and ((ctx.options.gemm_impl == "fp8" and fp8_gemm_reads_stacks_in_place(rows))
                         or dequant_kernel_applies(ctx.options.gemm_impl, rows))
-    names = WHOLE_STACKS + (FP8_GEMM_STACKS if in_place else ())
+    names = WHOLE_STACKS + (FP8_GEMM_STACKS if in_place else ()) + (NORM_STACKS if norm_kernel_applies(rows) else ())
     graphdef, whole, rest = nnx.split(stack, nnx.Any(*map(nnx.PathContains, names)), ...)
-    depth = jax.tree.leaves(rest)[0].shape[0]
+    depth = stack.attn_norm.weight.shape[0]  # every parameter has the layer axis; `rest` can be empty
 
     def one_layer(h, xs):
         layer_state, index = xs

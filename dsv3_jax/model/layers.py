@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import FP8_BLOCK, FP8_DTYPE, act_quant, cdiv, fp8_gemm, grouped_gemm, use_interpret, weight_dequant
+from pallas_kernels.norm import norm_chunk, rms_norm
 
 from ..sharding import LOGICAL_AXES, Layout
 
@@ -117,6 +118,16 @@ class Linear(nnx.Module):
         return y.astype(out_dtype or x.dtype)
 
 
+# steps of at most this many rows (decode, speculative verification) run RMSNorm, with the residual add
+# before it, as one Pallas launch a row (`pallas_kernels.norm`) where XLA runs two kernels
+NORM_KERNEL_MAX_ROWS = 64
+
+
+def norm_kernel_applies(rows: int) -> bool:
+    """Whether the RMSNorms of a step of `rows` rows run the one-launch kernel (on a GPU)."""
+    return rows <= NORM_KERNEL_MAX_ROWS and not use_interpret()
+
+
 class RMSNorm(nnx.Module):
     """x * rsqrt(mean(x^2) + eps) * weight, computed in float32."""
 
@@ -124,10 +135,24 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.weight = param(jnp.ones((*stack, dim), jnp.float32), ("layers",) * len(stack) + (axis,))
 
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+    def __call__(self, x: jnp.ndarray, *, residual: jnp.ndarray | None = None, layer=None,
+                 columns: int | None = None):
+        """The norm of x's first `columns` (default: all of it); with `residual`, of h = x + residual,
+        returned as (normed, h). `layer`: where the weight holds its whole layer stack (`run_stack` keeps
+        it so where the kernel reads it), the layer to use."""
+        weight = self.weight[...]
+        layer = layer if weight.ndim == 2 else None
+        columns = columns or x.shape[-1]
+        if norm_kernel_applies(math.prod(x.shape[:-1])) and norm_chunk(columns):
+            return rms_norm(x, weight, eps=self.eps, residual=residual, layer=layer,
+                            columns=None if residual is not None else columns)
+        h = x if residual is None else x + residual
+        if layer is not None:
+            weight = jax.lax.dynamic_index_in_dim(weight, layer, 0, keepdims=False)
+        hf = h[..., :columns].astype(jnp.float32)
+        hf = hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + self.eps)
+        normed = (hf * weight.astype(jnp.float32)).astype(x.dtype)
+        return normed if residual is None else (normed, h)
 
 
 class ParallelEmbedding(nnx.Module):

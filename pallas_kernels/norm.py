@@ -1,0 +1,198 @@
+"""RMSNorm in one launch, optionally after the residual add, for decode-sized steps.
+
+In XLA a row's RMSNorm is two kernels (the sum of squares, then the scaling), and the residual add
+before it is recomputed in both; here one program per row does the add, the sum of squares and the
+scaling, reading the row from HBM once (the second pass re-reads it from cache). The norm can read
+the first `columns` of a wider row in place (MLA's latent, the head of wkv_a's output), and a layer
+of a stacked weight in place (the layer scan keeps such stacks whole). The math is the model's
+RMSNorm: float32 x * rsqrt(mean(x^2) + eps) * weight, cast back to x's dtype; the residual sum is
+rounded to x's dtype first, as the model's add is.
+
+`latent_norm_rope` is MLA's split of wkv_a's output in the same launch: the latent normed in place and
+the shared rotary key (the columns after it) rotated, so XLA's slice, norm and rotary kernels go. The
+rotation pairs each element with its partner (adjacent or half a head apart) by selecting it from a
+(R, R) tile of the key (a masked sum, exact), which needs no strided or gathered load.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._common import fail, interpret_in_shard_map, match_vma, result, use_interpret, vma_union
+
+_FN = "rms_norm"
+MAX_CHUNK = 2048  # columns a program holds at once: a power of two dividing the normed width, at most this
+
+
+def rms_norm_ref(x, weight, *, eps: float, residual=None, layer=None, columns: int | None = None):
+    """The jnp twin: normed x[..., :columns] (or, with `residual`, normed x + residual and that sum)."""
+    h = x if residual is None else (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
+    w = weight if layer is None else jax.lax.dynamic_index_in_dim(weight, layer, 0, keepdims=False)
+    hf = h[..., :columns or h.shape[-1]].astype(jnp.float32)
+    normed = (hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps)
+              * w.astype(jnp.float32)).astype(x.dtype)
+    return normed if residual is None else (normed, h)
+
+
+def latent_norm_rope_ref(kv, weight, cos, sin, *, eps: float, rank: int, layer=None, interleaved: bool = True):
+    """The jnp twin of `latent_norm_rope`."""
+    latent = rms_norm_ref(kv, weight, eps=eps, layer=layer, columns=rank)
+    return latent, rotate_ref(kv[..., rank:], cos, sin, interleaved)
+
+
+def rotate_ref(x, cos, sin, interleaved: bool):
+    """x (..., R) rotated by the angles' cos and sin (..., R / 2), in float32, cast back (the model's rotary)."""
+    xf = x.astype(jnp.float32)
+    if interleaved:
+        real, imag = xf[..., 0::2], xf[..., 1::2]
+        return jnp.stack([real * cos - imag * sin, real * sin + imag * cos], -1).reshape(x.shape).astype(x.dtype)
+    half = x.shape[-1] // 2
+    real, imag = xf[..., :half], xf[..., half:]
+    return jnp.concatenate([real * cos - imag * sin, imag * cos + real * sin], -1).astype(x.dtype)
+
+
+def norm_chunk(columns: int) -> int:
+    """The largest power of two dividing `columns`, at most MAX_CHUNK (0: none of at least 16, no kernel)."""
+    chunk = min(columns & -columns, MAX_CHUNK)
+    return chunk if chunk >= 16 else 0
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.Array | None = None, layer=None,
+             columns: int | None = None):
+    """RMSNorm of x (..., W) over its last axis, or over its first `columns` (read in place).
+
+    weight: float (C,), or a layer stack (L, C) read at `layer` (a traced int). residual: like x; then the
+    result is (normed (..., W), x + residual (..., W) in x's dtype), else normed (..., C) in x's dtype.
+    """
+    columns = _check(x, weight, residual, layer, columns)
+    interpret = use_interpret()
+    operands = (x,) + (() if residual is None else (residual,))
+    if x.size == 0 or interpret_in_shard_map(interpret, *operands, weight):
+        return rms_norm_ref(x, weight, eps=eps, residual=residual, layer=layer, columns=columns)
+    normed, summed, _ = _launch(x, weight, residual=residual, layer=layer, columns=columns, eps=eps)
+    return normed if residual is None else (normed, summed)
+
+
+def latent_norm_rope(kv: jax.Array, weight: jax.Array, cos: jax.Array, sin: jax.Array, *, eps: float, rank: int,
+                     layer=None, interleaved: bool = True) -> tuple[jax.Array, jax.Array]:
+    """MLA's latent and shared rotary key from wkv_a's output kv (..., rank + R), in one launch:
+    (kv[..., :rank] RMS-normed with weight (rank,) or a stack (L, rank) at `layer`, kv[..., rank:] rotated by
+    cos, sin (..., R / 2) float32, the pairs adjacent (`interleaved`) or R / 2 apart), both in kv's dtype."""
+    rope = kv.shape[-1] - rank
+    _check(kv, weight, None, layer, rank)
+    if rope < 2 or rope & (rope - 1) or cos.shape != kv.shape[:-1] + (rope // 2,) or sin.shape != cos.shape:
+        fail("latent_norm_rope", f"the rotary part ({rope} columns after rank={rank}) must be a power of two "
+                                 f"with cos and sin of shape {kv.shape[:-1] + (max(rope, 0) // 2,)}, got "
+                                 f"{cos.shape} and {sin.shape}")
+    if kv.size == 0 or interpret_in_shard_map(use_interpret(), kv, weight, cos, sin):
+        return latent_norm_rope_ref(kv, weight, cos, sin, eps=eps, rank=rank, layer=layer, interleaved=interleaved)
+    normed, _, rotated = _launch(kv, weight, layer=layer, columns=rank, eps=eps,
+                                 rope=(cos.astype(jnp.float32), sin.astype(jnp.float32), interleaved))
+    return normed, rotated
+
+
+def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, rope=None):
+    """The kernel over x's rows: (normed, x + residual or None, rotated x[..., columns:] or None)."""
+    lead, width = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, width)
+    m = rows.shape[0]
+    stack = weight if layer is not None else weight[None]
+    index = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    operands = [index, rows] + ([] if residual is None else [residual.reshape(m, width)]) + [stack]
+    if rope is not None:
+        operands += [rope[0].reshape(m, -1), rope[1].reshape(m, -1)]
+    vma = vma_union(*operands)
+    shapes = [result((m, columns), x.dtype, vma)]
+    shapes += [] if residual is None else [result(rows.shape, x.dtype, vma)]
+    shapes += [] if rope is None else [result((m, width - columns), x.dtype, vma)]
+    outs = list(pl.pallas_call(
+        functools.partial(_kernel, columns=columns, chunk=norm_chunk(columns), eps=float(eps),
+                          summed=residual is not None, rope=None if rope is None else rope[2]),
+        out_shape=tuple(shapes),
+        grid=(m,),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=use_interpret(),
+        name=_FN if rope is None else "latent_norm_rope",
+    )(*match_vma(vma, *operands)))
+    normed = outs.pop(0).reshape(*lead, columns)
+    summed = None if residual is None else outs.pop(0).reshape(x.shape)
+    rotated = None if rope is None else outs.pop(0).reshape(*lead, width - columns)
+    return normed, summed, rotated
+
+
+def _kernel(layer_ref, x_ref, *refs, columns, chunk, eps, summed, rope):
+    """One row: pass 1 sums the squares chunk by chunk (storing x + residual where summed), pass 2 scales;
+    with `rope` (interleaved or not) the columns after the normed ones are rotated."""
+    refs = list(refs)
+    res_ref = refs.pop(0) if summed else None
+    w_ref = refs.pop(0)
+    cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if rope is not None else (None, None)
+    o_ref = refs.pop(0)
+    sum_ref = refs.pop(0) if summed else None
+    row, layer = pl.program_id(0), layer_ref[0]
+
+    def row_chunk(c):
+        at = pl.ds(c * chunk, chunk)
+        h = plgpu.load(x_ref.at[row, at])
+        if summed:  # the model's residual add, rounded to x's dtype
+            h = (h.astype(jnp.float32) + plgpu.load(res_ref.at[row, at]).astype(jnp.float32)).astype(h.dtype)
+        return at, h
+
+    squares = jnp.zeros((chunk,), jnp.float32)
+    for c in range(columns // chunk):
+        at, h = row_chunk(c)
+        if summed:
+            plgpu.store(sum_ref.at[row, at], h)
+        hf = h.astype(jnp.float32)
+        squares += hf * hf
+    inv = jax.lax.rsqrt(jnp.sum(squares) / columns + eps)
+    for c in range(columns // chunk):
+        at, h = row_chunk(c)
+        w = plgpu.load(w_ref.at[layer, at]).astype(jnp.float32)
+        plgpu.store(o_ref.at[row, at], (h.astype(jnp.float32) * inv * w).astype(o_ref.dtype))
+    if rope is not None:
+        (rot_ref,) = refs
+        width = rot_ref.shape[1]
+        x = plgpu.load(x_ref.at[row, pl.ds(columns, width)])
+        rotated = _rotate(x.astype(jnp.float32), plgpu.load(cos_ref.at[row]), plgpu.load(sin_ref.at[row]), rope)
+        plgpu.store(rot_ref.at[row], rotated.astype(rot_ref.dtype))
+
+
+def _rotate(x, cos, sin, interleaved: bool):
+    """x (R,) float32 rotated by cos, sin (R / 2,): element j pairs with its partner (j +- 1, or j +- R / 2) at
+    angle `pair`; each is selected from a (source, j) tile by a masked sum (one non-zero term: exact)."""
+    width, half = x.shape[0], x.shape[0] // 2
+    j = jnp.arange(width)
+    if interleaved:
+        pair, partner, first = j // 2, j + 1 - 2 * (j % 2), j % 2 == 0
+    else:
+        pair, partner, first = j % half, (j + half) % width, j < half
+
+    def select(values, index):  # values[index], (len(index),)
+        source = jnp.arange(values.shape[0])[:, None]
+        return jnp.sum(jnp.where(source == index[None, :], values[:, None], 0.0), axis=0)
+
+    other = select(x, partner)
+    return x * select(cos, pair) + jnp.where(first, -other, other) * select(sin, pair)
+
+
+def _check(x, weight, residual, layer, columns) -> int:
+    if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+        fail(_FN, f"x must be a float array (..., W), got {x.dtype} {x.shape}")
+    width = x.shape[-1]
+    columns = width if columns is None else columns
+    if not 0 < columns <= width:
+        fail(_FN, f"columns={columns} must lie in [1, {width}] (x's last dim)")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or columns != width):
+        fail(_FN, f"residual must match x ({x.dtype} {x.shape}) and normalise whole rows, got "
+                  f"{residual.dtype} {residual.shape}, columns={columns}")
+    if weight.shape[-1:] != (columns,) or weight.ndim != (1 if layer is None else 2):
+        fail(_FN, f"weight has shape {weight.shape}, expected ({columns},)" + ("" if layer is None else
+                                                                               f" stacked: (L, {columns})"))
+    if not norm_chunk(columns):
+        fail(_FN, f"columns={columns} has no power-of-two factor of at least 16 (a Triton tile)")
+    return columns

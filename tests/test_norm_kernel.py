@@ -1,0 +1,127 @@
+"""The one-launch RMSNorm kernels (`pallas_kernels.norm`: `rms_norm`, and `latent_norm_rope`, MLA's latent
+normed and its shared rotary key rotated from wkv_a's output) against float64 numpy (interpret mode on a
+CPU; compiled with -m gpu).
+
+Cases: V3's 7,168-wide rows (seven 1,024-column chunks: a chunk left out of the sum of squares moves
+every value by ~7 %) after the residual add, with a layer of a four-layer weight stack (a wrong layer's
+weights differ by O(1)); MLA's latent, the first 512 of wkv_a's 576 columns read in place (reading the
+rotary columns shifts the norm); a float32 1,536-wide q_lora row, three chunks, unstacked. bf16 results
+are held to a bf16 rounding of the float64 value (relative L2 < 4e-3, about one bf16 ulp), float32 to 1e-6.
+The rotary key is checked in both pair layouts (adjacent, DeepSeek's; half a head apart) at random angles:
+a pair's wrong partner, sign or angle moves it by O(1).
+"""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels.norm import latent_norm_rope, rms_norm
+
+EPS = 1e-6
+# (what, row width, normed columns, residual, stacked weight, dtype)
+CASES = [("V3 hidden after the residual add", 7168, 7168, True, True, jnp.bfloat16),
+         ("MLA latent inside wkv_a's output", 576, 512, False, True, jnp.bfloat16),
+         ("q_lora row, float32", 1536, 1536, False, False, jnp.float32)]
+
+
+def float64_norm(h: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + EPS) * w
+
+
+@jax.jit
+def _kernel(x, residual, weight, layer):
+    return rms_norm(x, weight, eps=EPS, residual=residual, layer=layer)
+
+
+@jax.jit
+def _kernel_columns(x, weight, layer):
+    return rms_norm(x, weight, eps=EPS, layer=layer, columns=weight.shape[-1])
+
+
+def check(case, seed):
+    _, width, columns, residual, stacked, dtype = case
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((2, 3, width)) * 3, dtype)
+    r = jnp.asarray(rng.standard_normal((2, 3, width)), dtype)
+    w = rng.uniform(0.5, 1.5, (4, columns) if stacked else (columns,)).astype(np.float32)
+    layer = jnp.int32(2) if stacked else None
+    if residual:
+        normed, summed = _kernel(x, r, w, layer)
+        want_sum = (np.asarray(x, np.float64) + np.asarray(r, np.float64)).astype(ml_dtypes.bfloat16)
+        assert summed.dtype == dtype and np.array_equal(np.asarray(summed), want_sum)
+        h = want_sum.astype(np.float64)
+    elif columns != width:
+        normed, h = _kernel_columns(x, w, layer), np.asarray(x, np.float64)[..., :columns]
+    else:
+        normed, h = jax.jit(lambda x, w: rms_norm(x, w, eps=EPS))(x, w), np.asarray(x, np.float64)
+    want = float64_norm(h, w[2] if stacked else w)
+    got = np.asarray(normed, np.float64)
+    assert normed.dtype == dtype and got.shape == want.shape
+    tol = 4e-3 if dtype == jnp.bfloat16 else 1e-6
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < tol
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_norm_matches_float64(case):
+    check(case, seed=CASES.index(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_norm_compiled_on_gpu(case):
+    check(case, seed=10 + CASES.index(case))
+
+
+def float64_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    out = np.empty_like(x)
+    real, imag = (x[..., 0::2], x[..., 1::2]) if interleaved else np.split(x, 2, axis=-1)
+    rotated_real, rotated_imag = real * cos - imag * sin, real * sin + imag * cos
+    if interleaved:
+        out[..., 0::2], out[..., 1::2] = rotated_real, rotated_imag
+        return out
+    return np.concatenate([rotated_real, rotated_imag], -1)
+
+
+def check_latent_norm_rope(interleaved: bool, seed: int):
+    rng = np.random.default_rng(seed)
+    kv = jnp.asarray(rng.standard_normal((2, 3, 512 + 64)) * 2, jnp.bfloat16)
+    angles = rng.uniform(-4, 4, (2, 3, 32))
+    cos, sin = (jnp.asarray(f(angles), jnp.float32) for f in (np.cos, np.sin))
+    w = rng.uniform(0.5, 1.5, (4, 512)).astype(np.float32)
+    latent, k_pe = jax.jit(lambda kv, w, c, s: latent_norm_rope(kv, w, c, s, eps=EPS, rank=512, layer=jnp.int32(2),
+                                                                 interleaved=interleaved))(kv, w, cos, sin)
+    x = np.asarray(kv, np.float64)
+    want = (float64_norm(x[..., :512], w[2]),
+            float64_rotary(x[..., 512:], np.asarray(cos, np.float64), np.asarray(sin, np.float64), interleaved))
+    for got, expected in zip((latent, k_pe), want, strict=True):
+        got = np.asarray(got, np.float64)
+        assert got.shape == expected.shape
+        assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 4e-3
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_latent_norm_rope_matches_float64(interleaved):
+    check_latent_norm_rope(interleaved, seed=5 + interleaved)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_latent_norm_rope_compiled_on_gpu(interleaved):
+    check_latent_norm_rope(interleaved, seed=15 + interleaved)
+
+
+def test_norm_errors_name_the_argument():
+    x = jnp.zeros((2, 576), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"rms_norm: columns=600 must lie in \[1, 576\]"):
+        rms_norm(x, jnp.zeros((600,)), eps=EPS, columns=600)
+    with pytest.raises(ValueError, match=r"rms_norm: weight has shape \(576,\), expected \(512,\)"):
+        rms_norm(x, jnp.zeros((576,)), eps=EPS, columns=512)
+    with pytest.raises(ValueError, match="residual must match x"):
+        rms_norm(x, jnp.zeros((512,)), eps=EPS, residual=x, columns=512)
+    with pytest.raises(ValueError, match="columns=100 has no power-of-two factor of at least 16"):
+        rms_norm(jnp.zeros((2, 100)), jnp.zeros((100,)), eps=EPS)
+    angles = jnp.zeros((2, 32))
+    with pytest.raises(ValueError, match=r"latent_norm_rope: the rotary part \(48 columns after rank=528\) must be "
+                                         r"a power of two"):
+        latent_norm_rope(x, jnp.zeros((528,)), angles, angles, eps=EPS, rank=528)
