@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import BLOCK, FP8, cdiv, fail, interpret_in_shard_map, match_vma, num_sms, result, use_interpret, vma_union
+from .rotary import rotate_ref, rotate_rows
 from .reference import weight_dequant_ref
 
 _FN = "mla_decode"
@@ -246,15 +247,19 @@ def _batch_block(batch: int) -> int:
     return max(16, min(64, 1 << max(0, (batch - 1).bit_length())))
 
 
-def mla_absorb_query_ref(q_nope, wkv_b, layer=None, *, wkv_b_scale=None):
+def mla_absorb_query_ref(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, nope: int | None = None, rope=None):
     """Plain-XLA twin of `mla_absorb_query`."""
-    heads, nope = q_nope.shape[1:]
+    heads, nope = q_nope.shape[1], nope or q_nope.shape[2]
     w_k = _wkv_b_layer(wkv_b, layer, heads, wkv_b_scale, q_nope.dtype)[:, :nope]
-    return jnp.einsum("bhd,hdc->bhc", q_nope.astype(jnp.float32), w_k).astype(q_nope.dtype)
+    q_latent = jnp.einsum("bhd,hdc->bhc", q_nope[..., :nope].astype(jnp.float32), w_k).astype(q_nope.dtype)
+    if rope is None:
+        return q_latent
+    cos, sin, interleaved = rope
+    return q_latent, rotate_ref(q_nope[..., nope:], cos[:, None, :], sin[:, None, :], interleaved)
 
 
-def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, nope: int | None = None, block_c: int = 128,
-                     num_warps: int = 4, num_stages: int = 1) -> jax.Array:
+def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, nope: int | None = None, rope=None,
+                     block_c: int = 128, num_warps: int = 4, num_stages: int = 1):
     """The decode query in latent space: q_latent[b, h] = q_nope[b, h] @ W[h, :D], in q_nope's dtype
     (float32 accumulation), where W = wkv_b viewed as (H, D + V, C): its key half absorbed into the query.
 
@@ -263,6 +268,9 @@ def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, nope: int |
     q_nope's dtype, or a stack of layers (L, H (D + V), C) with `layer` (int32 scalar), read in place. An fp8 wkv_b comes with
     `wkv_b_scale`, its block scales ((L,) H (D + V) / 128, C / 128): each tile is dequantized to
     q_nope's dtype as it is loaded, as `weight_dequant` would. One program per (head, C block, batch block).
+    rope: (cos, sin, interleaved), the angles (B, R / 2) float32 of the whole query's R = width - D rotary
+    columns: then also q_pe, those columns rotated (B, H, R) in the query's dtype, is returned (the
+    programs of C block 0 write it), so the query's rotary needs no kernel of its own.
     """
     batch, heads, width = q_nope.shape
     nope = width if nope is None else nope
@@ -272,36 +280,54 @@ def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, nope: int |
     if nope > width:
         fail(_QUERY, f"nope={nope} exceeds the query's {width} columns")
     _check_block(_QUERY, "block_c", block_c, None if w.scale is None else BLOCK)
+    angles = () if rope is None else _query_angles(rope, batch, width - nope)
     interpret = use_interpret()
     if batch == 0 or interpret_in_shard_map(interpret, q_nope, wkv_b):
-        return mla_absorb_query_ref(q_nope[..., :nope], wkv_b, layer, wkv_b_scale=wkv_b_scale)
+        return mla_absorb_query_ref(q_nope, wkv_b, layer, wkv_b_scale=wkv_b_scale, nope=nope, rope=rope)
     block_b = _batch_block(batch)
     kernel = functools.partial(_query_kernel, batch=batch, nope=nope, per_head=w.stack.shape[1] // heads, rank=rank,
-                               block_b=block_b, block_c=block_c, fp8=w.scale is not None)
-    return _per_head_launch(_QUERY, kernel, (batch, heads, rank), q_nope.dtype,
-                            (cdiv(rank, block_c), cdiv(batch, block_b)), (num_warps, num_stages), interpret,
-                            w.layer, q_nope, *w.refs)
+                               block_b=block_b, block_c=block_c, fp8=w.scale is not None,
+                               interleaved=None if rope is None else bool(rope[2]))
+    outputs = [((batch, heads, rank), q_nope.dtype)]
+    outputs += [] if rope is None else [((batch, heads, width - nope), q_nope.dtype)]
+    out = _per_head_launch(_QUERY, kernel, outputs, (cdiv(rank, block_c), cdiv(batch, block_b)),
+                           (num_warps, num_stages), interpret, w.layer, q_nope, *w.refs, *angles)
+    return out[0] if rope is None else tuple(out)
 
 
-def _per_head_launch(name: str, kernel, shape, dtype, blocks: tuple, launch: tuple[int, int], interpret: bool,
+def _query_angles(rope, batch: int, width: int) -> tuple:
+    """`mla_absorb_query`'s rope argument checked: the angles' cos and sin in float32."""
+    cos, sin, _ = rope
+    if width < 32 or width & (width - 1) or cos.shape != (batch, width // 2) or sin.shape != cos.shape:
+        # 32: the angles' spread is a dot of side R / 2, at least 16 in Triton
+        fail(_QUERY, f"rope needs the query's rotary columns ({width} after nope) a power of two >= 32 and cos, "
+                     f"sin of shape {(batch, max(width, 0) // 2)}, got {cos.shape} and {sin.shape}")
+    return cos.astype(jnp.float32), sin.astype(jnp.float32)
+
+
+def _per_head_launch(name: str, kernel, outputs: list, blocks: tuple, launch: tuple[int, int], interpret: bool,
                      layer, *operands):
-    """One pallas_call over a (head, *blocks) grid of `kernel` on `layer` and `operands`, its output `shape`
-    in `dtype`; `launch` is Triton's (num_warps, num_stages)."""
+    """One pallas_call over a (head, *blocks) grid of `kernel` on `layer` and `operands`, its `outputs` a list of
+    ((B, H, ...), dtype); `launch` is Triton's (num_warps, num_stages)."""
     vma = vma_union(*operands)
     num_warps, num_stages = launch
     return pl.pallas_call(
         kernel,
-        out_shape=result(shape, dtype, vma),
-        grid=(shape[1], *blocks),
+        out_shape=[result(shape, dtype, vma) for shape, dtype in outputs],
+        grid=(outputs[0][0][1], *blocks),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,
     )(*match_vma(vma, layer, *operands))
 
 
-def _query_kernel(layer_ref, q_ref, w_ref, *refs, batch, nope, per_head, rank, block_b, block_c, fp8):
-    """An fp8 wkv_b's key half is read in chunks of 128 rows, one scale each (block_c <= 128: one column)."""
-    s_ref, o_ref = refs if fp8 else (None, *refs)
+def _query_kernel(layer_ref, q_ref, w_ref, *refs, batch, nope, per_head, rank, block_b, block_c, fp8, interleaved):
+    """An fp8 wkv_b's key half is read in chunks of 128 rows, one scale each (block_c <= 128: one column).
+    With `interleaved` (not None) the programs of C block 0 also rotate the query's rotary columns."""
+    refs = list(refs)
+    s_ref = refs.pop(0) if fp8 else None
+    cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if interleaved is not None else (None, None)
+    o_ref = refs.pop(0)
     h, cb, bb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     row_ok = bb * block_b + jnp.arange(block_b) < batch
@@ -317,6 +343,16 @@ def _query_kernel(layer_ref, q_ref, w_ref, *refs, batch, nope, per_head, rank, b
             w = _dequantized(w, s_ref[layer, (h * per_head) // BLOCK + c, (cb * block_c) // BLOCK], q.dtype)
         acc += jax.lax.dot(q, w, preferred_element_type=jnp.float32)
     plgpu.store(o_ref.at[bs, h, cs], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+    if interleaved is not None:
+        (pe_ref,) = refs
+
+        @pl.when(cb == 0)
+        def _():
+            width = pe_ref.shape[2]
+            x = plgpu.load(q_ref.at[bs, h, pl.ds(nope, width)], mask=row_ok[:, None], other=0)
+            cos, sin = (plgpu.load(r.at[bs, :], mask=row_ok[:, None], other=0.0) for r in (cos_ref, sin_ref))
+            plgpu.store(pe_ref.at[bs, h, :], rotate_rows(x, cos, sin, interleaved).astype(pe_ref.dtype),
+                        mask=row_ok[:, None])
 
 
 def mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=None, *, scale: float,
@@ -361,9 +397,10 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
     kernel = functools.partial(_output_kernel, batch=batch, splits=splits, value_row=per_head - v_dim,
                                per_head=per_head, v_dim=v_dim, scale=scale, block_b=block_b, block_v=block_v,
                                splits_padded=1 << max(0, (splits - 1).bit_length()), fp8=w.scale is not None)
-    return _per_head_launch(_OUTPUT, kernel, (batch, heads, v_dim), q_latent.dtype,
-                            (cdiv(v_dim, block_v), cdiv(batch, block_b)), (num_warps, num_stages), interpret,
-                            w.layer, acc, m, l, q_latent, q_pe, new_kv, new_pe, *w.refs)
+    (out,) = _per_head_launch(_OUTPUT, kernel, [((batch, heads, v_dim), q_latent.dtype)],
+                              (cdiv(v_dim, block_v), cdiv(batch, block_b)), (num_warps, num_stages), interpret,
+                              w.layer, acc, m, l, q_latent, q_pe, new_kv, new_pe, *w.refs)
+    return out
 
 
 def _merged_latent(acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, *, h, bs, row_ok, splits, scale,

@@ -9,9 +9,8 @@ RMSNorm: float32 x * rsqrt(mean(x^2) + eps) * weight, cast back to x's dtype; th
 rounded to x's dtype first, as the model's add is.
 
 `latent_norm_rope` is MLA's split of wkv_a's output in the same launch: the latent normed in place and
-the shared rotary key (the columns after it) rotated, so XLA's slice, norm and rotary kernels go. The
-rotation pairs each element with its partner (adjacent or half a head apart) by selecting it from a
-(R, R) tile of the key (a masked sum, exact), which needs no strided or gathered load.
+the shared rotary key (the columns after it) rotated (`rotary.rotate_row`), so XLA's slice, norm and
+rotary kernels go.
 """
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import fail, interpret_in_shard_map, match_vma, result, use_interpret, vma_union
+from .rotary import rotate_ref, rotate_row
 
 _FN = "rms_norm"
 MAX_CHUNK = 2048  # columns a program holds at once: a power of two dividing the normed width, at most this
@@ -42,17 +42,6 @@ def latent_norm_rope_ref(kv, weight, cos, sin, *, eps: float, rank: int, layer=N
     """The jnp twin of `latent_norm_rope`."""
     latent = rms_norm_ref(kv, weight, eps=eps, layer=layer, columns=rank)
     return latent, rotate_ref(kv[..., rank:], cos, sin, interleaved)
-
-
-def rotate_ref(x, cos, sin, interleaved: bool):
-    """x (..., R) rotated by the angles' cos and sin (..., R / 2), in float32, cast back (the model's rotary)."""
-    xf = x.astype(jnp.float32)
-    if interleaved:
-        real, imag = xf[..., 0::2], xf[..., 1::2]
-        return jnp.stack([real * cos - imag * sin, real * sin + imag * cos], -1).reshape(x.shape).astype(x.dtype)
-    half = x.shape[-1] // 2
-    real, imag = xf[..., :half], xf[..., half:]
-    return jnp.concatenate([real * cos - imag * sin, imag * cos + real * sin], -1).astype(x.dtype)
 
 
 def norm_chunk(columns: int) -> int:
@@ -158,26 +147,8 @@ def _kernel(layer_ref, x_ref, *refs, columns, chunk, eps, summed, rope):
         (rot_ref,) = refs
         width = rot_ref.shape[1]
         x = plgpu.load(x_ref.at[row, pl.ds(columns, width)])
-        rotated = _rotate(x.astype(jnp.float32), plgpu.load(cos_ref.at[row]), plgpu.load(sin_ref.at[row]), rope)
+        rotated = rotate_row(x.astype(jnp.float32), plgpu.load(cos_ref.at[row]), plgpu.load(sin_ref.at[row]), rope)
         plgpu.store(rot_ref.at[row], rotated.astype(rot_ref.dtype))
-
-
-def _rotate(x, cos, sin, interleaved: bool):
-    """x (R,) float32 rotated by cos, sin (R / 2,): element j pairs with its partner (j +- 1, or j +- R / 2) at
-    angle `pair`; each is selected from a (source, j) tile by a masked sum (one non-zero term: exact)."""
-    width, half = x.shape[0], x.shape[0] // 2
-    j = jnp.arange(width)
-    if interleaved:
-        pair, partner, first = j // 2, j + 1 - 2 * (j % 2), j % 2 == 0
-    else:
-        pair, partner, first = j % half, (j + half) % width, j < half
-
-    def select(values, index):  # values[index], (len(index),)
-        source = jnp.arange(values.shape[0])[:, None]
-        return jnp.sum(jnp.where(source == index[None, :], values[:, None], 0.0), axis=0)
-
-    other = select(x, partner)
-    return x * select(cos, pair) + jnp.where(first, -other, other) * select(sin, pair)
 
 
 def _check(x, weight, residual, layer, columns) -> int:

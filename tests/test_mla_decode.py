@@ -134,6 +134,42 @@ def test_absorbed_decode_with_fp8_wkv_b(dtype, batch=3, heads=2, nope=128, v_dim
     assert got.dtype == dtype and np.abs(np.asarray(got, np.float64) - want).max() <= tol * np.abs(want).max()
 
 
+def float64_rotary(x: np.ndarray, angles: np.ndarray, interleaved: bool) -> np.ndarray:
+    """x (B, H, R) turned by angles (B, R / 2): complex pairs (adjacent, or half a head apart)."""
+    half = x.shape[-1] // 2
+    real, imag = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    turned = (real + 1j * imag) * np.exp(1j * angles)[:, None, :]
+    if not interleaved:
+        return np.concatenate([turned.real, turned.imag], -1)
+    return np.stack([turned.real, turned.imag], -1).reshape(x.shape)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 4e-3)])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_absorption_rotates_the_query_rope_columns(dtype, tol, interleaved, batch=20, heads=3, nope=16, rope=64):
+    """With `rope` the absorption also returns the whole query's rope columns rotated by each row's angles,
+    against float64 complex rotation (a wrong partner, sign or angle is O(1) off); 20 rows: two batch blocks
+    of 16, the second partly masked. q_latent is unchanged by it."""
+    rng = np.random.default_rng(7 + interleaved)
+    q = jnp.asarray(rng.standard_normal((batch, heads, nope + rope)), dtype)
+    wkv_b = jnp.asarray(rng.standard_normal((2, heads * (nope + 32), 64)), dtype)
+    angles = rng.uniform(-4, 4, (batch, rope // 2))
+    cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+    q_latent, q_pe = mla_absorb_query(q, wkv_b, jnp.int32(1), nope=nope, rope=(cos, sin, interleaved))
+    x = np.asarray(q, np.float64)
+    want = float64_rotary(x[..., nope:], np.asarray(angles, np.float32).astype(np.float64), interleaved)
+    assert q_pe.shape == (batch, heads, rope) and q_pe.dtype == dtype
+    assert np.linalg.norm(np.asarray(q_pe, np.float64) - want) / np.linalg.norm(want) < tol
+    np.testing.assert_array_equal(np.asarray(q_latent), np.asarray(mla_absorb_query(q, wkv_b, jnp.int32(1), nope=nope)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_absorption_rotates_the_query_on_gpu(interleaved):
+    """V3's head shape (D = 128, rotary 64), bf16, compiled."""
+    test_absorption_rotates_the_query_rope_columns(jnp.bfloat16, 4e-3, interleaved, batch=8, heads=16, nope=128)
+
+
 def test_absorption_takes_one_layer_unstacked():
     """An unstacked wkv_b (one layer, as an fp8 layer's dequantized weight) gives the stack's layer."""
     rng = np.random.default_rng(5)
@@ -160,6 +196,9 @@ def test_absorption_argument_errors():
         mla_absorb_query(q, jnp.zeros((190, 64)))
     with pytest.raises(ValueError, match="D=12 must be a power of two"):
         mla_absorb_query(jnp.zeros((1, 4, 12)), jnp.zeros((192, 64)))
+    angles = jnp.zeros((1, 16))
+    with pytest.raises(ValueError, match=r"mla_absorb_query: rope needs the query's rotary columns \(8 after nope\)"):
+        mla_absorb_query(jnp.zeros((1, 4, 24)), jnp.zeros((4 * 48, 64)), nope=16, rope=(angles, angles, True))
     with pytest.raises(ValueError, match="mla_decode_output: acc"):
         mla_decode_output(jnp.zeros((1, 2, 4, 64)), jnp.zeros((1, 2, 4)), jnp.zeros((1, 2, 4)), jnp.zeros((1, 4, 32)),
                           jnp.zeros((1, 4, 16)), jnp.zeros((1, 64)), jnp.zeros((1, 16)), jnp.zeros((192, 64)),

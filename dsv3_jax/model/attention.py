@@ -199,16 +199,22 @@ class MLA(nnx.Module):
         space, the attention over the cache read in place (split over its positions), then the splits'
         merge with the new entry and the output's projection through wkv_b's value half. The weights are
         read from their layer stack in place, fp8 ones dequantized tile by tile in the kernels where their
-        blocks align (else dequantized first). The query's nope half is read from the whole query in place."""
+        blocks align (else dequantized first). The query's nope half is read from the whole query in place,
+        and the first kernel rotates its rope half (`q_pe`, XLA's rotary, is then unused)."""
         wkv_b, index, scale = self.wkv_b.weight[...], stack_index, None
         if self.wkv_b.scale is not None and fp8_wkv_b_aligned(self.nope_dim, self.v_dim, self.kv_lora_rank):
             scale = self.wkv_b.scale[...]
         elif self.wkv_b.scale is not None:
             wkv_b, index = layer_of(self.wkv_b, stack_index).dequantized(q.dtype), None
-        q_latent = mla_absorb_query(q[:, 0], wkv_b, index, wkv_b_scale=scale, nope=self.nope_dim)
-        splits = mla_decode_splits(q_latent, q_pe[:, 0], cache["kv"], cache["pe"], layer, ctx.positions[:, 0],
+        q_pe = q_pe[:, 0]
+        if self.rope_dim >= 32 and not self.rope_dim & (self.rope_dim - 1):  # the query's rotary in that kernel too
+            q_latent, q_pe = mla_absorb_query(q[:, 0], wkv_b, index, wkv_b_scale=scale, nope=self.nope_dim,
+                                              rope=(ctx.cos[:, 0], ctx.sin[:, 0], self.rope_interleave))
+        else:
+            q_latent = mla_absorb_query(q[:, 0], wkv_b, index, wkv_b_scale=scale, nope=self.nope_dim)
+        splits = mla_decode_splits(q_latent, q_pe, cache["kv"], cache["pe"], layer, ctx.positions[:, 0],
                                    kv_len=ctx.kv_len, scale=self.softmax_scale)
-        out = mla_decode_output(*splits, q_latent, q_pe[:, 0], latent[:, 0], k_pe[:, 0], wkv_b, index,
+        out = mla_decode_output(*splits, q_latent, q_pe, latent[:, 0], k_pe[:, 0], wkv_b, index,
                                 scale=self.softmax_scale, v_dim=self.v_dim, wkv_b_scale=scale)
         return out[:, None], dict(kv=latent, pe=k_pe)
 
