@@ -10,7 +10,8 @@ rounded to x's dtype first, as the model's add is.
 
 `latent_norm_rope` is MLA's split of wkv_a's output in the same launch: the latent normed in place and
 the shared rotary key (the columns after it) rotated (`rotary.rotate_row`), so XLA's slice, norm and
-rotary kernels go.
+rotary kernels go. `rms_norm_fp8` also quantizes the normed rows as `act_quant` does (bit for bit), for
+the fp8 GEMMs that read them, so their act_quant launches go.
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import fail, interpret_in_shard_map, match_vma, result, use_interpret, vma_union
+from ._common import (AMAX_FLOOR, BLOCK, FP8, FP8_MAX, exact_div, fail, interpret_in_shard_map, match_vma,
+                      pow2_ceil, result, use_interpret, vma_union)
+from .reference import act_quant_ref
 from .rotary import rotate_ref, rotate_row
 
 _FN = "rms_norm"
@@ -62,8 +65,26 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.Array
     operands = (x,) + (() if residual is None else (residual,))
     if x.size == 0 or interpret_in_shard_map(interpret, *operands, weight):
         return rms_norm_ref(x, weight, eps=eps, residual=residual, layer=layer, columns=columns)
-    normed, summed, _ = _launch(x, weight, residual=residual, layer=layer, columns=columns, eps=eps)
+    normed, summed, _, _ = _launch(x, weight, residual=residual, layer=layer, columns=columns, eps=eps)
     return normed if residual is None else (normed, summed)
+
+
+def rms_norm_fp8(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.Array | None = None, layer=None,
+                 scale_fmt: str | None = None):
+    """`rms_norm` of whole rows, and the normed rows (in x's dtype) quantized as `act_quant(normed, scale_fmt=)`
+    gives them: (normed, x + residual or None, (e4m3 values, float32 scales (..., W / 128))). W a multiple of 128."""
+    columns = _check(x, weight, residual, layer, None)
+    if columns % BLOCK or scale_fmt not in (None, "ue8m0"):
+        fail("rms_norm_fp8", f"rows of {columns} (a multiple of {BLOCK}) and scale_fmt None or 'ue8m0' needed, "
+                             f"got scale_fmt={scale_fmt!r}")
+    operands = (x, weight) + (() if residual is None else (residual,))
+    if x.size == 0 or interpret_in_shard_map(use_interpret(), *operands):
+        out = rms_norm_ref(x, weight, eps=eps, residual=residual, layer=layer)
+        normed, summed = (out, None) if residual is None else out
+        return normed, summed, act_quant_ref(normed, scale_fmt=scale_fmt)
+    normed, summed, _, quantized = _launch(x, weight, residual=residual, layer=layer, columns=columns, eps=eps,
+                                           quantize=scale_fmt or "e4m3")
+    return normed, summed, quantized
 
 
 def latent_norm_rope(kv: jax.Array, weight: jax.Array, cos: jax.Array, sin: jax.Array, *, eps: float, rank: int,
@@ -79,13 +100,14 @@ def latent_norm_rope(kv: jax.Array, weight: jax.Array, cos: jax.Array, sin: jax.
                                  f"{cos.shape} and {sin.shape}")
     if kv.size == 0 or interpret_in_shard_map(use_interpret(), kv, weight, cos, sin):
         return latent_norm_rope_ref(kv, weight, cos, sin, eps=eps, rank=rank, layer=layer, interleaved=interleaved)
-    normed, _, rotated = _launch(kv, weight, layer=layer, columns=rank, eps=eps,
-                                 rope=(cos.astype(jnp.float32), sin.astype(jnp.float32), interleaved))
+    normed, _, rotated, _ = _launch(kv, weight, layer=layer, columns=rank, eps=eps,
+                                    rope=(cos.astype(jnp.float32), sin.astype(jnp.float32), interleaved))
     return normed, rotated
 
 
-def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, rope=None):
-    """The kernel over x's rows: (normed, x + residual or None, rotated x[..., columns:] or None)."""
+def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, rope=None, quantize=None):
+    """The kernel over x's rows: (normed, x + residual or None, rotated x[..., columns:] or None, the normed rows
+    quantized (`quantize`: "e4m3", or "ue8m0" for power-of-two scales) or None)."""
     lead, width = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, width)
     m = rows.shape[0]
@@ -98,9 +120,11 @@ def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, r
     shapes = [result((m, columns), x.dtype, vma)]
     shapes += [] if residual is None else [result(rows.shape, x.dtype, vma)]
     shapes += [] if rope is None else [result((m, width - columns), x.dtype, vma)]
+    shapes += [] if quantize is None else [result((m, columns), FP8, vma), result((m, columns // BLOCK), jnp.float32, vma)]
     outs = list(pl.pallas_call(
         functools.partial(_kernel, columns=columns, chunk=norm_chunk(columns), eps=float(eps),
-                          summed=residual is not None, rope=None if rope is None else rope[2]),
+                          summed=residual is not None, rope=None if rope is None else rope[2], quantize=quantize,
+                          interpret=use_interpret()),
         out_shape=tuple(shapes),
         grid=(m,),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
@@ -110,12 +134,15 @@ def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, r
     normed = outs.pop(0).reshape(*lead, columns)
     summed = None if residual is None else outs.pop(0).reshape(x.shape)
     rotated = None if rope is None else outs.pop(0).reshape(*lead, width - columns)
-    return normed, summed, rotated
+    quantized = None if quantize is None else (outs[0].reshape(*lead, columns),
+                                               outs[1].reshape(*lead, columns // BLOCK))
+    return normed, summed, rotated, quantized
 
 
-def _kernel(layer_ref, x_ref, *refs, columns, chunk, eps, summed, rope):
-    """One row: pass 1 sums the squares chunk by chunk (storing x + residual where summed), pass 2 scales;
-    with `rope` (interleaved or not) the columns after the normed ones are rotated."""
+def _kernel(layer_ref, x_ref, *refs, columns, chunk, eps, summed, rope, quantize, interpret):
+    """One row: pass 1 sums the squares chunk by chunk (storing x + residual where summed), pass 2 scales
+    (with `quantize`, 128 columns at a time, each block quantized as act_quant does); with `rope` (interleaved
+    or not) the columns after the normed ones are rotated."""
     refs = list(refs)
     res_ref = refs.pop(0) if summed else None
     w_ref = refs.pop(0)
@@ -123,13 +150,11 @@ def _kernel(layer_ref, x_ref, *refs, columns, chunk, eps, summed, rope):
     o_ref = refs.pop(0)
     sum_ref = refs.pop(0) if summed else None
     row, layer = pl.program_id(0), layer_ref[0]
+    load = _chunk_loader(x_ref, res_ref, row)
 
     def row_chunk(c):
         at = pl.ds(c * chunk, chunk)
-        h = plgpu.load(x_ref.at[row, at])
-        if summed:  # the model's residual add, rounded to x's dtype
-            h = (h.astype(jnp.float32) + plgpu.load(res_ref.at[row, at]).astype(jnp.float32)).astype(h.dtype)
-        return at, h
+        return at, load(at)
 
     squares = jnp.zeros((chunk,), jnp.float32)
     for c in range(columns // chunk):
@@ -139,16 +164,51 @@ def _kernel(layer_ref, x_ref, *refs, columns, chunk, eps, summed, rope):
         hf = h.astype(jnp.float32)
         squares += hf * hf
     inv = jax.lax.rsqrt(jnp.sum(squares) / columns + eps)
-    for c in range(columns // chunk):
+    if quantize is not None:
+        _scale_quantized(row_chunk_at=load, w_ref=w_ref, o_ref=o_ref, q_refs=refs[-2:],
+                         row=row, layer=layer, inv=inv, blocks=columns // BLOCK, ue8m0=quantize == "ue8m0",
+                         interpret=interpret)
+    for c in range(0 if quantize is not None else columns // chunk):
         at, h = row_chunk(c)
         w = plgpu.load(w_ref.at[layer, at]).astype(jnp.float32)
         plgpu.store(o_ref.at[row, at], (h.astype(jnp.float32) * inv * w).astype(o_ref.dtype))
     if rope is not None:
-        (rot_ref,) = refs
+        rot_ref = refs[0]
         width = rot_ref.shape[1]
         x = plgpu.load(x_ref.at[row, pl.ds(columns, width)])
         rotated = rotate_row(x.astype(jnp.float32), plgpu.load(cos_ref.at[row]), plgpu.load(sin_ref.at[row]), rope)
         plgpu.store(rot_ref.at[row], rotated.astype(rot_ref.dtype))
+
+
+def _chunk_loader(x_ref, res_ref, row):
+    """at -> the row's columns `at` of x (+ the residual: the model's add, rounded to x's dtype)."""
+    def load(at):
+        h = plgpu.load(x_ref.at[row, at])
+        if res_ref is None:
+            return h
+        return (h.astype(jnp.float32) + plgpu.load(res_ref.at[row, at]).astype(jnp.float32)).astype(h.dtype)
+    return load
+
+
+def _scale_quantized(*, row_chunk_at, w_ref, o_ref, q_refs, row, layer, inv, blocks, ue8m0, interpret):
+    """Pass 2 by 128-column blocks: the normed block in x's dtype, then act_quant's math on it: amax (at least
+    AMAX_FLOOR) / 448 (ue8m0: the next power of two), the values divided by it (IEEE division) in e4m3."""
+    y_ref, s_ref = q_refs
+
+    def block(b, carry):
+        at = pl.ds(b * BLOCK, BLOCK)
+        w = plgpu.load(w_ref.at[layer, at]).astype(jnp.float32)
+        normed = (row_chunk_at(at).astype(jnp.float32) * inv * w).astype(o_ref.dtype)
+        plgpu.store(o_ref.at[row, at], normed)
+        v = normed.astype(jnp.float32)
+        # (1,)-shaped, not scalars: Triton's inline-asm division takes tensors, not constants
+        s = exact_div(jnp.maximum(jnp.max(jnp.abs(v), keepdims=True), jnp.float32(AMAX_FLOOR)), FP8_MAX, interpret)
+        s = pow2_ceil(s) if ue8m0 else s
+        plgpu.store(y_ref.at[row, at], exact_div(v, s, interpret).astype(FP8))
+        plgpu.store(s_ref.at[row, pl.ds(b, 1)], s)
+        return carry
+
+    jax.lax.fori_loop(0, blocks, block, 0)
 
 
 def _check(x, weight, residual, layer, columns) -> int:

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.norm import latent_norm_rope, rms_norm
+from pallas_kernels.norm import latent_norm_rope, rms_norm, rms_norm_fp8
 
 EPS = 1e-6
 # (what, row width, normed columns, residual, stacked weight, dtype)
@@ -111,6 +111,43 @@ def test_latent_norm_rope_compiled_on_gpu(interleaved):
     check_latent_norm_rope(interleaved, seed=15 + interleaved)
 
 
+def float64_act_quant(v: np.ndarray, ue8m0: bool):
+    """DeepSeek's act_quant of rows v (float64 holding x's values): per 128 columns s = max(amax, 1e-4) / 448 in
+    float32 (ue8m0: the next power of two), the values divided by s in float32, then e4m3."""
+    blocks = v.reshape(*v.shape[:-1], -1, 128)
+    s = np.maximum(np.abs(blocks).max(-1), 1e-4).astype(np.float32) / np.float32(448.0)
+    if ue8m0:
+        s = (2.0 ** np.ceil(np.log2(s.astype(np.float64)))).astype(np.float32)
+    y = (blocks.astype(np.float32) / s[..., None]).astype(ml_dtypes.float8_e4m3fn)
+    return y.reshape(v.shape), s
+
+
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_norm_fp8_quantizes_as_act_quant(scale_fmt, seed=21):
+    """rms_norm_fp8: the normed rows (as rms_norm gives them) and their act_quant, bit for bit against the
+    float32 math in numpy (a scale from the wrong block, a missed power-of-two rounding, a missing amax floor
+    or a division by an approximate reciprocal changes values or bits)."""
+    rng = np.random.default_rng(seed + (scale_fmt is None))
+    x, r = rng.standard_normal((2, 3, 7168)) * 3, rng.standard_normal((2, 3, 7168))
+    x[0, 0, :128] = r[0, 0, :128] = 0  # a block of zeros: its scale is the amax floor's
+    x, r = jnp.asarray(x, jnp.bfloat16), jnp.asarray(r, jnp.bfloat16)
+    w = rng.uniform(0.5, 1.5, (4, 7168)).astype(np.float32)
+    normed, summed, (y, s) = jax.jit(lambda x, r, w: rms_norm_fp8(x, w, eps=EPS, residual=r, layer=jnp.int32(2),
+                                                                  scale_fmt=scale_fmt))(x, r, w)
+    plain, plain_sum = _kernel(x, r, w, jnp.int32(2))
+    np.testing.assert_array_equal(np.asarray(normed), np.asarray(plain))
+    np.testing.assert_array_equal(np.asarray(summed), np.asarray(plain_sum))
+    want_y, want_s = float64_act_quant(np.asarray(normed, np.float64), scale_fmt == "ue8m0")
+    np.testing.assert_array_equal(np.asarray(s), want_s)
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint8), want_y.view(np.uint8))
+
+
+@pytest.mark.gpu
+def test_norm_fp8_compiled_on_gpu():
+    test_norm_fp8_quantizes_as_act_quant("ue8m0", seed=31)
+    test_norm_fp8_quantizes_as_act_quant(None, seed=41)
+
+
 def test_norm_errors_name_the_argument():
     x = jnp.zeros((2, 576), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"rms_norm: columns=600 must lie in \[1, 576\]"):
@@ -121,6 +158,8 @@ def test_norm_errors_name_the_argument():
         rms_norm(x, jnp.zeros((512,)), eps=EPS, residual=x, columns=512)
     with pytest.raises(ValueError, match="columns=100 has no power-of-two factor of at least 16"):
         rms_norm(jnp.zeros((2, 100)), jnp.zeros((100,)), eps=EPS)
+    with pytest.raises(ValueError, match=r"rms_norm_fp8: rows of 576 \(a multiple of 128\)"):
+        rms_norm_fp8(x, jnp.zeros((576,)), eps=EPS)
     angles = jnp.zeros((2, 32))
     with pytest.raises(ValueError, match=r"latent_norm_rope: the rotary part \(48 columns after rank=528\) must be "
                                          r"a power of two"):

@@ -38,12 +38,17 @@ class Block(nnx.Module):
         loads (E,) (None for a dense block). `layer` (the model's layer number) indexes the cache
         (None: no cache, the chunk attends to itself); `stack_index` (the layer's place in its
         stack) the weight stacks that hold every layer of it (see `run_stack`)."""
+        # fp8 GEMMs read the norms' outputs quantized by the norm kernel where it runs (no act_quant launch)
+        fp8 = self.attn.wkv_a.scale is not None and ctx.options.gemm_impl == "fp8"
         with jax.named_scope("attn_norm"):
-            normed = self.attn_norm(x, layer=stack_index)
+            normed, _, normed_fp8 = (self.attn_norm.with_fp8(x, layer=stack_index, scale_fmt=ctx.scale_fmt) if fp8
+                                     else (self.attn_norm(x, layer=stack_index), None, None))
         with jax.named_scope("attention"):
-            attn_out, entries = self.attn(normed, ctx, cache, layer, stack_index)
+            attn_out, entries = self.attn(normed, ctx, cache, layer, stack_index, x_fp8=normed_fp8)
         with jax.named_scope("ffn_norm"):
-            normed, h = self.ffn_norm(x, residual=attn_out, layer=stack_index)
+            normed, h, normed_fp8 = (
+                self.ffn_norm.with_fp8(x, residual=attn_out, layer=stack_index, scale_fmt=ctx.scale_fmt) if fp8
+                else (*self.ffn_norm(x, residual=attn_out, layer=stack_index), None))
         expert_loads = None
         if isinstance(self.ffn, MoE):
             ffn_out = self.ffn(normed, ctx, stack_index, loads=loads)
@@ -51,7 +56,7 @@ class Block(nnx.Module):
                 ffn_out, expert_loads = ffn_out
         else:
             with jax.named_scope("mlp"):
-                ffn_out = self.ffn(normed, ctx, reduce=True, layer=stack_index)
+                ffn_out = self.ffn(normed, ctx, reduce=True, layer=stack_index, x_fp8=normed_fp8)
         return (h + ffn_out, entries, expert_loads) if loads else (h + ffn_out, entries)
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import FP8_BLOCK, FP8_DTYPE, act_quant, cdiv, fp8_gemm, grouped_gemm, use_interpret, weight_dequant
-from pallas_kernels.norm import norm_chunk, rms_norm
+from pallas_kernels.norm import norm_chunk, rms_norm, rms_norm_fp8
 
 from ..sharding import LOGICAL_AXES, Layout
 
@@ -99,12 +99,13 @@ class Linear(nnx.Module):
         return weight_dequant(self.weight[...], self.scale[...], block_size=FP8_BLOCK, out_dtype=dtype)
 
     def __call__(self, x: jnp.ndarray, *, gemm_impl: str = "bf16", scale_fmt: str | None = None,
-                 reduce: tuple[str, ...] = (), out_dtype=None, layer=None) -> jnp.ndarray:
+                 reduce: tuple[str, ...] = (), out_dtype=None, layer=None, x_fp8=None) -> jnp.ndarray:
         """`layer`: where the weight holds its whole layer stack (L, out, in) -- `run_stack` keeps the
-        ones the fp8 GEMM kernel reads so -- the layer to use; an (out, in) weight ignores it."""
+        ones the fp8 GEMM kernel reads so -- the layer to use; an (out, in) weight ignores it. `x_fp8`: x
+        as `act_quant(x, scale_fmt=)` gives it, made already (`RMSNorm.with_fp8`), for the fp8 GEMM."""
         whole = layer is not None and self.weight.ndim == 3
         if self.scale is not None and gemm_impl == "fp8":
-            xq, xs = act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
+            xq, xs = x_fp8 if x_fp8 is not None else act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)
             y = fp8_gemm(xq, xs, self.weight[...], self.scale[...], out_dtype=jnp.float32,
                          layer=layer if whole else None)
         elif (self.scale is not None and x.shape[-1] % FP8_BLOCK == 0
@@ -153,6 +154,17 @@ class RMSNorm(nnx.Module):
         hf = hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + self.eps)
         normed = (hf * weight.astype(jnp.float32)).astype(x.dtype)
         return normed if residual is None else (normed, h)
+
+    def with_fp8(self, x: jnp.ndarray, *, residual: jnp.ndarray | None = None, layer=None,
+                 scale_fmt: str | None = None) -> tuple:
+        """(normed, x + residual or None, the normed rows quantized as `act_quant(normed, scale_fmt=)` gives
+        them, for the fp8 GEMMs that read them, or None where the one-launch kernel does not run)."""
+        weight = self.weight[...]
+        if norm_kernel_applies(math.prod(x.shape[:-1])) and x.shape[-1] % FP8_BLOCK == 0:
+            return rms_norm_fp8(x, weight, eps=self.eps, residual=residual, layer=layer if weight.ndim == 2 else None,
+                                scale_fmt=scale_fmt)
+        out = self(x, residual=residual, layer=layer)
+        return (out, None, None) if residual is None else (*out, None)
 
 
 class ParallelEmbedding(nnx.Module):

@@ -36,16 +36,16 @@ class MLP(nnx.Module):
         self.w3 = Linear(dim, inter_dim, axes=(hidden, "embed"), **common)
 
     def __call__(self, x: jnp.ndarray, ctx: StepContext, reduce: bool = False, out_dtype=None,
-                 layer=None) -> jnp.ndarray:
+                 layer=None, x_fp8=None) -> jnp.ndarray:
         """This rank's partial output; with `reduce` the whole output for x's rows (B, ...): rows
         gathered first and the sum reduce-scattered back when the batch is split over the hidden
         units' ranks too (`Layout.reduction`). `layer`: as `Linear`'s, for weights that hold their
-        whole layer stack."""
-        gemm = dict(ctx.gemm, layer=layer)
+        whole layer stack; `x_fp8`: x quantized already (`Linear`'s), used where no rows are gathered."""
         gathered, summed = ctx.layout.reduction(self.hidden) if reduce else ((), ())
+        gemm = dict(ctx.gemm, layer=layer, x_fp8=None if gathered else x_fp8)
         rows = ctx.layout.gather_rows(x, gathered)
         hidden = jax.nn.silu(self.w1(rows, **gemm).astype(jnp.float32)).astype(x.dtype) * self.w3(rows, **gemm)
-        y = self.w2(hidden, out_dtype=jnp.float32 if reduce else out_dtype, **gemm)
+        y = self.w2(hidden, out_dtype=jnp.float32 if reduce else out_dtype, **dict(gemm, x_fp8=None))
         if reduce:
             y = ctx.layout.reduce_rows(y, gathered, summed).astype(out_dtype or x.dtype)
         return y
