@@ -164,3 +164,42 @@ def test_norm_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"latent_norm_rope: the rotary part \(48 columns after rank=528\) must be "
                                          r"a power of two"):
         latent_norm_rope(x, jnp.zeros((528,)), angles, angles, eps=EPS, rank=528)
+
+
+# ------------------------------------------------------------------ in the model
+def test_the_models_norm_kernels_match_its_xla_norms(monkeypatch):
+    """The small V3 model of tests/test_auto_paths_gpu.py (fp8 weights, gemm_impl "fp8") with the one-launch
+    norms forced on (interpret mode; on a GPU they run in decode-sized steps): the norms' quantized rows
+    feed wq_a, wkv_a, wq_b, the dense w1/w3 and the routed experts' kernels in place of their act_quant,
+    and the latent's norm and its rotary key come from one kernel. A prefill chunk and a decode step agree
+    with the same model's XLA norms (bf16 logits, relative L2 < 2e-2; quantized rows of another norm's
+    output would be O(1) off), and their jaxprs hold the norm kernels (the other kernels run their twins;
+    tests/test_gpu_lowering.py counts the act_quant launches the norms save)."""
+    import dsv3_jax
+    from dsv3_jax.decode.step import make_step
+    from kernel_checks import KERNEL_MODULES, kernel_twins
+    from dsv3_jax.model import attention, block, layers
+    from test_auto_paths_gpu import small_v3, step_inputs, variant
+
+    base = dsv3_jax.build(small_v3("fp8"), seed=0)
+    steps = [(2, 16, 0), (2, 1, 16)]  # a prefill chunk, then a decode step on its cache
+
+    def run():
+        model, out = variant(base, gemm_impl="fp8"), []
+        step = make_step.__wrapped__(model.parts)  # a fresh jit: traced under the patch or not
+        for seed, (batch, seq, start) in enumerate(steps):
+            tokens, starts, last, kv_len = step_inputs(model.args, batch, seq, start, seed)
+            jaxpr = str(step.trace(model.state, model.cache, tokens, starts, last, kv_len=kv_len).jaxpr)
+            logits, model.cache = step(model.state, model.cache, tokens, starts, last, kv_len=kv_len)
+            out.append((np.asarray(logits), jaxpr))
+        return out
+
+    with kernel_twins(*(name for name in KERNEL_MODULES if name != "norm")):  # the others' twins: fast
+        want = run()
+        with monkeypatch.context() as patch:
+            for module in (attention, block, layers):
+                patch.setattr(module, "norm_kernel_applies", lambda rows: True)
+            got = run()
+    for (g, jaxpr), (w, xla_jaxpr) in zip(got, want, strict=True):
+        assert "name=rms_norm" in jaxpr and "name=latent_norm_rope" in jaxpr and "rms_norm" not in xla_jaxpr
+        assert np.linalg.norm(g - w) / np.linalg.norm(w) < 2e-2

@@ -51,7 +51,7 @@ class Block(nnx.Module):
                 else (*self.ffn_norm(x, residual=attn_out, layer=stack_index), None))
         expert_loads = None
         if isinstance(self.ffn, MoE):
-            ffn_out = self.ffn(normed, ctx, stack_index, loads=loads)
+            ffn_out = self.ffn(normed, ctx, stack_index, loads=loads, x_fp8=normed_fp8)
             if loads:
                 ffn_out, expert_loads = ffn_out
         else:

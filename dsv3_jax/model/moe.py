@@ -143,14 +143,15 @@ def _kernel_tiles(rows: int, fp8: bool, one_row_tiles: bool = False) -> dict:
     return dict(block_m=block_m, block_n=min(block_n, FP8_BLOCK) if fp8 else block_n)
 
 
-def _kernel_inputs(x, fp8_weights: bool, gemm_impl: str, scale_fmt, one_row_tiles: bool):
-    """x for the grouped kernels and its x_scale (or None), and their tiles."""
+def _kernel_inputs(x, fp8_weights: bool, gemm_impl: str, scale_fmt, one_row_tiles: bool, x_fp8=None):
+    """x for the grouped kernels and its x_scale (or None), and their tiles. `x_fp8`: x's act_quant, made
+    already (by the norm before), used where the kernels take fp8 activations."""
     short = _short_tiles(x.shape[0], one_row_tiles)
     tiles = _kernel_tiles(x.shape[0], fp8_weights, one_row_tiles)
     if not (fp8_weights and gemm_impl == "fp8"):
         return x, None, tiles
     if short:
-        return *act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt), tiles
+        return *(x_fp8 or act_quant(x, block_size=FP8_BLOCK, scale_fmt=scale_fmt)), tiles
     return _fp8_activations(x, scale_fmt, x.dtype), None, tiles
 
 
@@ -200,13 +201,14 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
 def grouped_swiglu(x: jnp.ndarray, w1: jnp.ndarray, w3: jnp.ndarray, scale1: jnp.ndarray | None,
                    scale3: jnp.ndarray | None, group_sizes: jnp.ndarray | None, *, gemm_impl: str = "bf16",
                    scale_fmt: str | None = None, stack_index=None, slot_experts: jnp.ndarray | None = None,
-                   expert_offset=0, **shared) -> jnp.ndarray:
+                   expert_offset=0, x_fp8=None, **shared) -> jnp.ndarray:
     """silu(x W1_g^T) * (x W3_g^T) in x's dtype from one Pallas launch (`grouped_gemm_swiglu`):
     the "fused" routed-expert path's first half. Same arguments as `grouped_matmul` with
     use_kernel; with gemm_impl "fp8" and fp8 weights x is quantised through `act_quant` once (as there).
-    `shared`: the shared experts' weights as more experts (`grouped_gemm_swiglu`'s shared_w1, ...)."""
+    `shared`: the shared experts' weights as more experts (`grouped_gemm_swiglu`'s shared_w1, ...); `x_fp8`:
+    x's act_quant made already (`_kernel_inputs`)."""
     out_dtype = x.dtype
-    x, x_scale, tiles = _kernel_inputs(x, scale1 is not None, gemm_impl, scale_fmt, slot_experts is not None)
+    x, x_scale, tiles = _kernel_inputs(x, scale1 is not None, gemm_impl, scale_fmt, slot_experts is not None, x_fp8)
     return grouped_gemm_swiglu(x, w1, w3, group_sizes, scale1, scale3, layer=stack_index,
                                out_dtype=out_dtype, x_scale=x_scale, slot_experts=slot_experts,
                                expert_offset=expert_offset, **shared, **tiles)
@@ -246,7 +248,7 @@ class Experts(nnx.Module):
         return width // inter
 
     def __call__(self, x: jnp.ndarray, weights: jnp.ndarray, indices: jnp.ndarray, ctx: StepContext,
-                 stack_index=None, shared: MLP | None = None) -> jnp.ndarray:
+                 stack_index=None, shared: MLP | None = None, x_fp8=None) -> jnp.ndarray:
         """This rank's share of sum_k weight_k * expert_k(x): x (N, dim), weights/indices (N, k).
 
         moe_impl "auto" picks by the step's size (`auto_moe_impl`): on a GPU "slots" for a few
@@ -255,7 +257,8 @@ class Experts(nnx.Module):
         local experts. "fused" runs two Pallas launches: w1, w3 and silu * mul in one
         (`grouped_gemm_swiglu`), then w2 with the routing weights applied to its accumulator
         (`row_scale`). `shared` (only where `shared_chunks` is not 0): the shared experts' MLP, whose
-        output joins this one, computed in the same slot kernels."""
+        output joins this one, computed in the same slot kernels. `x_fp8`: x's act_quant made already (by
+        the norm before), for the slot and fused kernels' fp8 activations."""
         tokens, topk = indices.shape
         stacked = self.w1.weight.ndim == 4
         if stacked != (stack_index is not None):
@@ -264,7 +267,7 @@ class Experts(nnx.Module):
         first = ctx.layout.index("experts") * local_experts
         moe_impl = self.impl(tokens, topk, ctx)
         if moe_impl == "slots":
-            return self._slots(x, weights, indices, first, ctx, stack_index, shared)
+            return self._slots(x, weights, indices, first, ctx, stack_index, shared, x_fp8)
         if shared is not None:
             raise ValueError("Experts: the shared experts join the routed ones' kernels in slots steps only")
         local_ids = indices.reshape(-1) - first
@@ -300,9 +303,10 @@ class Experts(nnx.Module):
         if moe_impl == "fused":
             # rows of other ranks' experts sort past the groups: the kernels leave them zero
             scale = lambda linear: None if linear.scale is None else linear.scale[...]  # noqa: E731
+            rows_fp8 = None if x_fp8 is None else tuple(jnp.take(a, token_of, axis=0) for a in x_fp8)
             hidden = grouped_swiglu(rows, self.w1.weight[...], self.w3.weight[...], scale(self.w1), scale(self.w3),
                                     group_sizes.astype(jnp.int32), **ctx.gemm,
-                                    stack_index=stack_index if stacked else None)
+                                    stack_index=stack_index if stacked else None, x_fp8=rows_fp8)
             row_weights = jnp.where(mine[order], weights.reshape(-1)[order], 0.0).astype(jnp.float32)
             out = grouped_matmul(hidden, self.w2.weight[...], scale(self.w2), group_sizes.astype(jnp.int32),
                                  **ctx.gemm, use_kernel=True, stack_index=stack_index if stacked else None,
@@ -314,7 +318,7 @@ class Experts(nnx.Module):
         return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
 
     def _slots(self, x, weights, indices, first, ctx: StepContext, stack_index,
-               shared: MLP | None) -> jnp.ndarray:
+               shared: MLP | None, x_fp8=None) -> jnp.ndarray:
         """moe_impl "slots": the fused kernels over the (token, choice) slots in their own order,
         one row each, found by the kernels from the router's expert ids (`slot_experts`, this rank's
         experts from `first` on), so no argsort, bincount, schedule, row copy or scatter-add runs;
@@ -334,7 +338,7 @@ class Experts(nnx.Module):
             down = dict(shared_w=shared.w2.weight[...], shared_w_scale=scale(shared.w2))
         slots = dict(slot_experts=indices, expert_offset=first, stack_index=stacked, **ctx.gemm)
         hidden = grouped_swiglu(x, self.w1.weight[...], self.w3.weight[...], scale(self.w1), scale(self.w3), None,
-                                **slots, **fused)
+                                **slots, **fused, x_fp8=x_fp8)
         out = grouped_matmul(hidden, self.w2.weight[...], scale(self.w2), None, use_kernel=True,
                              row_scale=weights.reshape(-1).astype(jnp.float32), **slots, **down)
         routed = out[:tokens * topk].reshape(tokens, topk, -1).sum(axis=1)
@@ -356,8 +360,9 @@ class MoE(nnx.Module):
                                    param_dtype=param_dtype, fp8=args.quantized, rngs=rngs, hidden="shared_ffn")
                                if args.n_shared_experts else None)
 
-    def __call__(self, x: jnp.ndarray, ctx: StepContext, stack_index=None, *, loads: bool = False):
-        """-> the output, the shape of x; with `loads`, also the tokens each routed expert received (E,)."""
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, stack_index=None, *, loads: bool = False, x_fp8=None):
+        """-> the output, the shape of x; with `loads`, also the tokens each routed expert received (E,).
+        `x_fp8`: x's act_quant made already (by the norm before), used where no rows are gathered."""
         layout = ctx.layout
         shape = x.shape
         local = x.reshape(-1, shape[-1])
@@ -368,6 +373,8 @@ class MoE(nnx.Module):
             flat, valid = both[:, :-1], both[:, -1] > 0
         else:
             flat = layout.gather_rows(local, gathered)
+        local_fp8 = None if x_fp8 is None else tuple(a.reshape(local.shape[0], -1) for a in x_fp8)
+        flat_fp8 = None if gathered else local_fp8
         with jax.named_scope("gate"):
             weights, indices = self.gate(flat, router_impl(ctx.options.router, flat.shape[0]))
         if valid is not None:  # padding rows' tokens go to no expert (no rank reads an expert for them)
@@ -375,14 +382,16 @@ class MoE(nnx.Module):
         shared_joins = self.shared_experts is not None and layout.reduction("shared_ffn") == (gathered, summed)
         inside = shared_joins and self.experts.shared_chunks(self.shared_experts, *indices.shape, ctx) > 0
         with jax.named_scope("routed_experts"):
-            y = self.experts(flat, weights, indices, ctx, stack_index, self.shared_experts if inside else None)
+            y = self.experts(flat, weights, indices, ctx, stack_index, self.shared_experts if inside else None,
+                             flat_fp8)
         if shared_joins and not inside:
             with jax.named_scope("shared_experts"):
-                y = y + self.shared_experts(flat, ctx, layer=stack_index).astype(jnp.float32)
+                y = y + self.shared_experts(flat, ctx, layer=stack_index, x_fp8=flat_fp8).astype(jnp.float32)
         y = layout.reduce_rows(y, gathered, summed)
         if self.shared_experts is not None and not shared_joins:
             with jax.named_scope("shared_experts"):
-                y = y + self.shared_experts(local, ctx, reduce=True, layer=stack_index).astype(jnp.float32)
+                y = y + self.shared_experts(local, ctx, reduce=True, layer=stack_index,
+                                            x_fp8=local_fp8).astype(jnp.float32)
         y = y.astype(x.dtype).reshape(shape)
         if not loads:
             return y
