@@ -10,6 +10,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.rotary import rotate_ref
+
 from ..config import ModelArgs
 
 
@@ -48,17 +50,9 @@ def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, interleaved
     """Rotate x (B, S, [H,] rope_dim) by the angles (B, S, rope_dim // 2), in float32, cast back.
 
     Interleaved (DeepSeek's layout): each adjacent pair (x[2i], x[2i+1]) is one complex number.
-    Otherwise the pairs are (x[i], x[i + d/2]) (rotate-half layout).
+    Otherwise the pairs are (x[i], x[i + d/2]) (rotate-half layout). The math is the decode kernels'
+    (`pallas_kernels.rotary.rotate_ref`, their twin), so both paths rotate alike.
     """
-    dtype = x.dtype
-    xf = x.astype(jnp.float32)
     if x.ndim == cos.ndim + 1:  # a heads axis
         cos, sin = cos[..., None, :], sin[..., None, :]
-    if interleaved:
-        pairs = xf.reshape(*xf.shape[:-1], -1, 2)
-        real, imag = pairs[..., 0], pairs[..., 1]
-        out = jnp.stack([real * cos - imag * sin, real * sin + imag * cos], axis=-1)
-        return out.reshape(x.shape).astype(dtype)
-    half = x.shape[-1] // 2
-    real, imag = xf[..., :half], xf[..., half:]
-    return jnp.concatenate([real * cos - imag * sin, imag * cos + real * sin], axis=-1).astype(dtype)
+    return rotate_ref(x, cos, sin, interleaved)
