@@ -107,20 +107,22 @@ def latent_norm_rope(kv: jax.Array, weight: jax.Array, cos: jax.Array, sin: jax.
 
 def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, rope=None, quantize=None):
     """The kernel over x's rows: (normed, x + residual or None, rotated x[..., columns:] or None, the normed rows
-    quantized (`quantize`: "e4m3", or "ue8m0" for power-of-two scales) or None)."""
+    quantized (`quantize`: "e4m3", or "ue8m0" for power-of-two scales) or None). Quantized rows are passed as
+    (rows, W / 128, 128) views, so that a program scales and quantizes several 128-blocks at once."""
     lead, width = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, width)
+    tile = (width,) if quantize is None else (width // BLOCK, BLOCK)
+    rows = x.reshape(-1, *tile)
     m = rows.shape[0]
-    stack = weight if layer is not None else weight[None]
+    stack = (weight if layer is not None else weight[None]).reshape(-1, *tile[:-1], tile[-1] * columns // width)
     index = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-    operands = [index, rows] + ([] if residual is None else [residual.reshape(m, width)]) + [stack]
+    operands = [index, rows] + ([] if residual is None else [residual.reshape(rows.shape)]) + [stack]
     if rope is not None:
         operands += [rope[0].reshape(m, -1), rope[1].reshape(m, -1)]
     vma = vma_union(*operands)
-    shapes = [result((m, columns), x.dtype, vma)]
+    shapes = [result((m, *stack.shape[1:]), x.dtype, vma)]
     shapes += [] if residual is None else [result(rows.shape, x.dtype, vma)]
     shapes += [] if rope is None else [result((m, width - columns), x.dtype, vma)]
-    shapes += [] if quantize is None else [result((m, columns), FP8, vma), result((m, columns // BLOCK), jnp.float32, vma)]
+    shapes += [] if quantize is None else [result(rows.shape, FP8, vma), result((m, width // BLOCK, 1), jnp.float32, vma)]
     outs = list(pl.pallas_call(
         functools.partial(_kernel, columns=columns, chunk=norm_chunk(columns), eps=float(eps),
                           summed=residual is not None, rope=None if rope is None else rope[2], quantize=quantize,
@@ -140,8 +142,8 @@ def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, r
 
 
 def _kernel(layer_ref, x_ref, *refs, columns, chunk, eps, summed, rope, quantize, interpret):
-    """One row: pass 1 sums the squares chunk by chunk (storing x + residual where summed), pass 2 scales
-    (with `quantize`, 128 columns at a time, each block quantized as act_quant does); with `rope` (interleaved
+    """One row, `chunk` columns at a time: pass 1 sums the squares (storing x + residual where summed), pass 2
+    scales (with `quantize`, each chunk's 128-blocks also quantized as act_quant does); with `rope` (interleaved
     or not) the columns after the normed ones are rotated."""
     refs = list(refs)
     res_ref = refs.pop(0) if summed else None
@@ -151,27 +153,21 @@ def _kernel(layer_ref, x_ref, *refs, columns, chunk, eps, summed, rope, quantize
     sum_ref = refs.pop(0) if summed else None
     row, layer = pl.program_id(0), layer_ref[0]
     load = _chunk_loader(x_ref, res_ref, row)
-
-    def row_chunk(c):
-        at = pl.ds(c * chunk, chunk)
-        return at, load(at)
-
-    squares = jnp.zeros((chunk,), jnp.float32)
-    for c in range(columns // chunk):
-        at, h = row_chunk(c)
+    chunks = [_chunk_at(c, chunk, blocked=quantize is not None) for c in range(columns // chunk)]
+    squares = jnp.zeros((chunk,) if quantize is None else (chunk // BLOCK, BLOCK), jnp.float32)
+    for at in chunks:
+        h = load(at)
         if summed:
-            plgpu.store(sum_ref.at[row, at], h)
+            plgpu.store(sum_ref.at[(row, *at)], h)
         hf = h.astype(jnp.float32)
         squares += hf * hf
     inv = jax.lax.rsqrt(jnp.sum(squares) / columns + eps)
-    if quantize is not None:
-        _scale_quantized(row_chunk_at=load, w_ref=w_ref, o_ref=o_ref, q_refs=refs[-2:],
-                         row=row, layer=layer, inv=inv, blocks=columns // BLOCK, ue8m0=quantize == "ue8m0",
-                         interpret=interpret)
-    for c in range(0 if quantize is not None else columns // chunk):
-        at, h = row_chunk(c)
-        w = plgpu.load(w_ref.at[layer, at]).astype(jnp.float32)
-        plgpu.store(o_ref.at[row, at], (h.astype(jnp.float32) * inv * w).astype(o_ref.dtype))
+    for at in chunks:
+        w = plgpu.load(w_ref.at[(layer, *at)]).astype(jnp.float32)
+        normed = (load(at).astype(jnp.float32) * inv * w).astype(o_ref.dtype)
+        plgpu.store(o_ref.at[(row, *at)], normed)
+        if quantize is not None:
+            _quantize_blocks(normed, at, q_refs=refs[-2:], row=row, ue8m0=quantize == "ue8m0", interpret=interpret)
     if rope is not None:
         rot_ref = refs[0]
         width = rot_ref.shape[1]
@@ -180,35 +176,33 @@ def _kernel(layer_ref, x_ref, *refs, columns, chunk, eps, summed, rope, quantize
         plgpu.store(rot_ref.at[row], rotated.astype(rot_ref.dtype))
 
 
+def _chunk_at(c: int, chunk: int, *, blocked: bool) -> tuple:
+    """The index of a row's chunk c: columns (1-D rows), or chunk / 128 whole 128-blocks (blocked rows)."""
+    if not blocked:
+        return (pl.ds(c * chunk, chunk),)
+    return pl.ds(c * (chunk // BLOCK), chunk // BLOCK), slice(None)
+
+
 def _chunk_loader(x_ref, res_ref, row):
-    """at -> the row's columns `at` of x (+ the residual: the model's add, rounded to x's dtype)."""
+    """at -> the row's chunk `at` of x (+ the residual: the model's add, rounded to x's dtype)."""
     def load(at):
-        h = plgpu.load(x_ref.at[row, at])
+        h = plgpu.load(x_ref.at[(row, *at)])
         if res_ref is None:
             return h
-        return (h.astype(jnp.float32) + plgpu.load(res_ref.at[row, at]).astype(jnp.float32)).astype(h.dtype)
+        return (h.astype(jnp.float32) + plgpu.load(res_ref.at[(row, *at)]).astype(jnp.float32)).astype(h.dtype)
     return load
 
 
-def _scale_quantized(*, row_chunk_at, w_ref, o_ref, q_refs, row, layer, inv, blocks, ue8m0, interpret):
-    """Pass 2 by 128-column blocks: the normed block in x's dtype, then act_quant's math on it: amax (at least
-    AMAX_FLOOR) / 448 (ue8m0: the next power of two), the values divided by it (IEEE division) in e4m3."""
+def _quantize_blocks(normed, at, *, q_refs, row, ue8m0, interpret):
+    """act_quant's math on normed (blocks, 128) in x's dtype: per block amax (at least AMAX_FLOOR) / 448 (ue8m0:
+    the next power of two), the values divided by it (IEEE division) in e4m3."""
     y_ref, s_ref = q_refs
-
-    def block(b, carry):
-        at = pl.ds(b * BLOCK, BLOCK)
-        w = plgpu.load(w_ref.at[layer, at]).astype(jnp.float32)
-        normed = (row_chunk_at(at).astype(jnp.float32) * inv * w).astype(o_ref.dtype)
-        plgpu.store(o_ref.at[row, at], normed)
-        v = normed.astype(jnp.float32)
-        # (1,)-shaped, not scalars: Triton's inline-asm division takes tensors, not constants
-        s = exact_div(jnp.maximum(jnp.max(jnp.abs(v), keepdims=True), jnp.float32(AMAX_FLOOR)), FP8_MAX, interpret)
-        s = pow2_ceil(s) if ue8m0 else s
-        plgpu.store(y_ref.at[row, at], exact_div(v, s, interpret).astype(FP8))
-        plgpu.store(s_ref.at[row, pl.ds(b, 1)], s)
-        return carry
-
-    jax.lax.fori_loop(0, blocks, block, 0)
+    v = normed.astype(jnp.float32)
+    s = exact_div(jnp.maximum(jnp.max(jnp.abs(v), axis=1, keepdims=True), jnp.float32(AMAX_FLOOR)), FP8_MAX,
+                  interpret)
+    s = pow2_ceil(s) if ue8m0 else s
+    plgpu.store(y_ref.at[(row, *at)], exact_div(v, s, interpret).astype(FP8))
+    plgpu.store(s_ref.at[row, at[0], :], s)
 
 
 def _check(x, weight, residual, layer, columns) -> int:

@@ -74,6 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--layers", type=int, help="cut the model to this many layers (dense first)")
+    p.add_argument("--dense-layers", type=int, help="with --layers: how many of them are dense")
     p.add_argument("--weights", choices=("bf16", "fp8"), help="weight storage (default: the config's dtype)")
     p.add_argument("--build-kwargs", default="{}", help="JSON of extra dsv3_jax.build keyword arguments")
     p.add_argument("--hlo-out", default=None, help="write the step's compiled HLO here (gzipped)")
@@ -86,7 +87,8 @@ def model_args(o: argparse.Namespace) -> ModelArgs:
     args = ModelArgs.from_reference_json(o.config).replace(max_batch_size=max(o.batch, 1),
                                                            max_seq_len=o.context + 64 + o.steps)
     if o.layers:
-        args = args.replace(n_layers=o.layers, n_dense_layers=min(args.n_dense_layers, o.layers))
+        dense = args.n_dense_layers if o.dense_layers is None else o.dense_layers
+        args = args.replace(n_layers=o.layers, n_dense_layers=min(dense, o.layers))
     return args.replace(dtype=o.weights) if o.weights else args
 
 

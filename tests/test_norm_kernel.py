@@ -124,7 +124,7 @@ def float64_act_quant(v: np.ndarray, ue8m0: bool):
 
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
 def test_norm_fp8_quantizes_as_act_quant(scale_fmt, seed=21):
-    """rms_norm_fp8: the normed rows (as rms_norm gives them) and their act_quant, bit for bit against the
+    """rms_norm_fp8: the normed rows (as rms_norm gives them, to a rounding) and their act_quant, bit for bit against the
     float32 math in numpy (a scale from the wrong block, a missed power-of-two rounding, a missing amax floor
     or a division by an approximate reciprocal changes values or bits)."""
     rng = np.random.default_rng(seed + (scale_fmt is None))
@@ -135,7 +135,9 @@ def test_norm_fp8_quantizes_as_act_quant(scale_fmt, seed=21):
     normed, summed, (y, s) = jax.jit(lambda x, r, w: rms_norm_fp8(x, w, eps=EPS, residual=r, layer=jnp.int32(2),
                                                                   scale_fmt=scale_fmt))(x, r, w)
     plain, plain_sum = _kernel(x, r, w, jnp.int32(2))
-    np.testing.assert_array_equal(np.asarray(normed), np.asarray(plain))
+    # the sum of squares is reduced by 128-blocks here, by columns in rms_norm: a rounding apart, one bf16 ulp
+    # at most (a wrong layer's weight or a missing residual is off by far more)
+    np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(plain, np.float32), rtol=2 ** -7, atol=0)
     np.testing.assert_array_equal(np.asarray(summed), np.asarray(plain_sum))
     want_y, want_s = float64_act_quant(np.asarray(normed, np.float64), scale_fmt == "ue8m0")
     np.testing.assert_array_equal(np.asarray(s), want_s)
