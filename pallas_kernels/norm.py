@@ -122,7 +122,8 @@ def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, r
     shapes = [result((m, *stack.shape[1:]), x.dtype, vma)]
     shapes += [] if residual is None else [result(rows.shape, x.dtype, vma)]
     shapes += [] if rope is None else [result((m, width - columns), x.dtype, vma)]
-    shapes += [] if quantize is None else [result(rows.shape, FP8, vma), result((m, width // BLOCK, 1), jnp.float32, vma)]
+    shapes += [] if quantize is None else [result(rows.shape, FP8, vma),
+                                           result((m, width // BLOCK, 1), jnp.float32, vma)]
     outs = list(pl.pallas_call(
         functools.partial(_kernel, columns=columns, chunk=norm_chunk(columns), eps=float(eps),
                           summed=residual is not None, rope=None if rope is None else rope[2], quantize=quantize,
