@@ -125,8 +125,8 @@ def float64_act_quant(v: np.ndarray, ue8m0: bool):
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
 def test_norm_fp8_quantizes_as_act_quant(scale_fmt, seed=21):
     """rms_norm_fp8: the normed rows (as rms_norm gives them, to a rounding) and their act_quant, bit for bit
-    against the float32 math in numpy (a scale from the wrong block, a missed power-of-two rounding, a missing amax floor
-    or a division by an approximate reciprocal changes values or bits)."""
+    against the float32 math in numpy (a scale from the wrong block, a missed power-of-two rounding, a missing
+    amax floor or a division by an approximate reciprocal changes values or bits)."""
     rng = np.random.default_rng(seed + (scale_fmt is None))
     x, r = rng.standard_normal((2, 3, 7168)) * 3, rng.standard_normal((2, 3, 7168))
     x[0, 0, :128] = r[0, 0, :128] = 0  # a block of zeros: its scale is the amax floor's
