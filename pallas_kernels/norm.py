@@ -113,7 +113,8 @@ def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, r
     tile = (width,) if quantize is None else (width // BLOCK, BLOCK)
     rows = x.reshape(-1, *tile)
     m = rows.shape[0]
-    stack = (weight if layer is not None else weight[None]).reshape(-1, *tile[:-1], tile[-1] * columns // width)
+    stack = weight if layer is not None else weight[None]
+    stack = stack if quantize is None else stack.reshape(-1, *tile)  # quantized rows are whole (columns = W)
     index = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     operands = [index, rows] + ([] if residual is None else [residual.reshape(rows.shape)]) + [stack]
     if rope is not None:
