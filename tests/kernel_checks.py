@@ -22,7 +22,7 @@ from pallas_kernels.reference import act_quant_ref, fp8_gemm_ref, weight_dequant
 FP8 = jnp.float8_e4m3fn
 E4M3 = ml_dtypes.float8_e4m3fn
 # the kernel modules whose wrappers fall back to the kernel's jnp twin (`interpret_in_shard_map`)
-KERNEL_MODULES = ("quantize", "dequantize", "gemm", "grouped", "mla", "router", "norm")
+KERNEL_MODULES = ("quantize", "dequantize", "gemm", "grouped", "mla", "router", "norm", "projection")
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from pallas_kernels.norm import latent_norm_rope, norm_chunk
 
 from ..config import ModelArgs
 from ..options import StepContext
-from .layers import Linear, RMSNorm, layer_of, norm_kernel_applies
+from .layers import Linear, RMSNorm, layer_of, norm_kernel_applies, project
 from .rope import apply_rotary
 
 
@@ -88,43 +88,42 @@ class MLA(nnx.Module):
         self.wo = Linear(heads * self.v_dim, args.dim, axes=("embed", "heads"), **common)
 
     def __call__(self, x: jnp.ndarray, ctx: StepContext, cache: dict | None, layer,
-                 stack_index=None, x_fp8=None) -> tuple[jnp.ndarray, dict]:
+                 stack_index=None, norm: RMSNorm | None = None) -> tuple[jnp.ndarray, dict]:
         """x (B, S, dim) -> (attention output (B, S, dim), summed over the heads' ranks; this chunk's
         cache entries). B is this device's rows (the cache's, when the layout splits the batch).
         `stack_index`: this layer's place in the weight stacks kept whole (`run_stack`): wkv_b's, and the
-        projections' where the fp8 GEMM kernel reads them. `x_fp8`: x quantized already for the fp8 GEMMs
-        (`RMSNorm.with_fp8`); then q_norm quantizes its output for wq_b too.
+        projections' and norms' where kernels read them. `norm`: the RMSNorm applied to x first (the block's
+        attn_norm), which decode-sized steps run inside the projections' launch (`layers.project`).
 
         `cache` None: no cache, the chunk attends to itself (a full-sequence pass; `kv_len` unused).
         `cache` is read, not written: attention sees its window with this chunk's entries put in
         place, and the caller stores the returned entries (see `write_cache`)."""
         batch, seq, _ = x.shape
-        q, q_pe, latent, k_pe = self._project(x, ctx, stack_index, x_fp8)
+        q, q_pe, latent, k_pe = self._project(x, ctx, stack_index, norm)
         flash = flash_impl(ctx.options.prefill_attn, seq, cache is not None)
         if ctx.options.attn_impl == "naive":
             out, entries = self._naive(q[..., :self.nope_dim], q_pe, latent, k_pe, ctx, cache, layer, flash,
                                        stack_index)
         else:
             out, entries = self._absorb(q, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index)
-        return self.wo(out.reshape(batch, seq, -1), reduce=ctx.layout.axes("heads"), layer=stack_index,
-                       **ctx.gemm), entries
+        (y,) = project([self.wo], out.reshape(batch, seq, -1), reduce=ctx.layout.axes("heads"), layer=stack_index,
+                       **ctx.gemm)
+        return y, entries
 
-    def _project(self, x: jnp.ndarray, ctx: StepContext, stack_index=None, x_fp8=None):
+    def _project(self, x: jnp.ndarray, ctx: StepContext, stack_index=None, norm: RMSNorm | None = None):
         """The query (B, S, H, nope + rope; its nope half is q_nope), its rotated rope half (B, S, H, rope),
-        the normed latent (B, S, C) and the rotated shared rotary key (B, S, rope) of the chunk."""
+        the normed latent (B, S, C) and the rotated shared rotary key (B, S, rope) of the chunk (x normed
+        by `norm` first)."""
         batch, seq, _ = x.shape
         gemm = dict(ctx.gemm, layer=stack_index)
         if hasattr(self, "wq"):
-            q = self.wq(x, x_fp8=x_fp8, **gemm)
-        elif x_fp8 is not None:
-            normed, _, normed_fp8 = self.q_norm.with_fp8(self.wq_a(x, x_fp8=x_fp8, **gemm), layer=stack_index,
-                                                         scale_fmt=ctx.scale_fmt)
-            q = self.wq_b(normed, x_fp8=normed_fp8, **gemm)
+            q, kv = project([self.wq, self.wkv_a], x, norm=norm, norm_scope="attn_norm", **gemm)
         else:
-            q = self.wq_b(self.q_norm(self.wq_a(x, **gemm), layer=stack_index), **gemm)
+            q_a, kv = project([self.wq_a, self.wkv_a], x, norm=norm, norm_scope="attn_norm", **gemm)
+            (q,) = project([self.wq_b], q_a, norm=self.q_norm, norm_scope="q_norm", **gemm)
         q = q.reshape(batch, seq, -1, self.nope_dim + self.rope_dim)
         q_pe = apply_rotary(q[..., self.nope_dim:], ctx.cos, ctx.sin, self.rope_interleave)
-        return (q, q_pe, *self._latent_and_rotary_key(self.wkv_a(x, x_fp8=x_fp8, **gemm), ctx, stack_index))
+        return (q, q_pe, *self._latent_and_rotary_key(kv, ctx, stack_index))
 
     def _latent_and_rotary_key(self, kv, ctx: StepContext, stack_index):
         """wkv_a's output (B, S, C + rope) split: the normed latent, read in place, and the rotated shared

@@ -14,7 +14,7 @@ from pallas_kernels import fp8_gemm_reads_stacks_in_place
 from ..config import ModelArgs
 from ..options import StepContext
 from .attention import MLA
-from .layers import RMSNorm, dequant_kernel_applies, norm_kernel_applies
+from .layers import RMSNorm, dequant_kernel_applies, norm_kernel_applies, projection_kernel_applies
 from .moe import MLP, MoE
 
 
@@ -38,13 +38,9 @@ class Block(nnx.Module):
         loads (E,) (None for a dense block). `layer` (the model's layer number) indexes the cache
         (None: no cache, the chunk attends to itself); `stack_index` (the layer's place in its
         stack) the weight stacks that hold every layer of it (see `run_stack`)."""
-        # fp8 GEMMs read the norms' outputs quantized by the norm kernel where it runs (no act_quant launch)
         fp8 = self.attn.wkv_a.scale is not None and ctx.options.gemm_impl == "fp8"
-        with jax.named_scope("attn_norm"):
-            normed, _, normed_fp8 = (self.attn_norm.with_fp8(x, layer=stack_index, scale_fmt=ctx.scale_fmt) if fp8
-                                     else (self.attn_norm(x, layer=stack_index), None, None))
-        with jax.named_scope("attention"):
-            attn_out, entries = self.attn(normed, ctx, cache, layer, stack_index, x_fp8=normed_fp8)
+        with jax.named_scope("attention"):  # attn_norm inside: decode-sized steps run it in the projections' launch
+            attn_out, entries = self.attn(x, ctx, cache, layer, stack_index, norm=self.attn_norm)
         with jax.named_scope("ffn_norm"):
             normed, h, normed_fp8 = (
                 self.ffn_norm.with_fp8(x, residual=attn_out, layer=stack_index, scale_fmt=ctx.scale_fmt) if fp8
@@ -67,6 +63,9 @@ WHOLE_STACKS = ("experts", "shared_experts", "wkv_b")
 FP8_GEMM_STACKS = ("wq", "wq_a", "wq_b", "wkv_a", "wo", "w1", "w2", "w3")
 # read in place by the one-launch RMSNorm (decode-sized steps, `norm_kernel_applies`)
 NORM_STACKS = ("attn_norm", "ffn_norm", "q_norm", "kv_norm")
+# plain (not fp8) projections and their norms, read in place by the projections' one launch (`layers.project`,
+# decode-sized steps, `projection_kernel_applies`)
+PROJECTION_STACKS = ("wq", "wq_a", "wq_b", "wkv_a", "wo", "attn_norm", "q_norm")
 
 
 def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None, first_layer: int, *,
@@ -81,7 +80,8 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None
     rows, fp8 = x.shape[0] * x.shape[1], stack.attn.wkv_a.scale is not None
     in_place = fp8 and ((ctx.options.gemm_impl == "fp8" and fp8_gemm_reads_stacks_in_place(rows))
                         or dequant_kernel_applies(ctx.options.gemm_impl, rows))
-    names = WHOLE_STACKS + (FP8_GEMM_STACKS if in_place else ()) + (NORM_STACKS if norm_kernel_applies(rows) else ())
+    names = (WHOLE_STACKS + (FP8_GEMM_STACKS if in_place else ()) + (NORM_STACKS if norm_kernel_applies(rows) else ())
+             + (PROJECTION_STACKS if not fp8 and projection_kernel_applies(rows) else ()))
     graphdef, whole, rest = nnx.split(stack, nnx.Any(*map(nnx.PathContains, names)), ...)
     depth = stack.attn_norm.weight.shape[0]  # every parameter has the layer axis; `rest` can be empty
 

@@ -15,6 +15,7 @@ from flax import nnx
 
 from pallas_kernels import FP8_BLOCK, FP8_DTYPE, act_quant, cdiv, fp8_gemm, grouped_gemm, use_interpret, weight_dequant
 from pallas_kernels.norm import norm_chunk, rms_norm, rms_norm_fp8
+from pallas_kernels.projection import VECTOR_MAX_ROWS, norm_project
 
 from ..sharding import LOGICAL_AXES, Layout
 
@@ -165,6 +166,54 @@ class RMSNorm(nnx.Module):
                                 scale_fmt=scale_fmt)
         out = self(x, residual=residual, layer=layer)
         return (out, None, None) if residual is None else (*out, None)
+
+
+# steps of at most this many rows (decode, speculative verification) run an RMSNorm and the projections that read it
+# as one Pallas launch (`pallas_kernels.projection`), where XLA runs the norm and each projection apart
+PROJECTION_KERNEL_MAX_ROWS = 16
+
+
+def projection_kernel_applies(rows: int) -> bool:
+    """Whether a step of `rows` rows runs `project`'s one-launch form (on a GPU)."""
+    return rows <= PROJECTION_KERNEL_MAX_ROWS and not use_interpret()
+
+
+def project(linears, x: jnp.ndarray, *, norm: RMSNorm | None = None, norm_scope: str = "norm", gemm_impl: str = "bf16",
+            scale_fmt: str | None = None, layer=None, reduce: tuple[str, ...] = (), out_dtype=None) -> list:
+    """[linear(norm(x)) for each of `linears`] (x itself where `norm` is None), in decode-sized steps on a GPU as one
+    launch (`norm_project`: the norm in the projections' prologue, the weights and the norm's weight read at `layer`
+    of their stacks in place); else the norm's kernel or XLA's (named `norm_scope` in profiles), then each Linear
+    (see `Linear.__call__`)."""
+    kernel = _projection_kernel(linears, x, norm, layer)
+    if kernel is not None:
+        outs = norm_project(x, **kernel, out_dtype=jnp.float32 if reduce else out_dtype)
+        return [(jax.lax.psum(y, reduce) if reduce else y).astype(out_dtype or x.dtype) for y in outs]
+    fp8 = linears[0].scale is not None and gemm_impl == "fp8"
+    x_fp8 = None
+    if norm is not None:
+        with jax.named_scope(norm_scope):
+            x, _, x_fp8 = (norm.with_fp8(x, layer=layer, scale_fmt=scale_fmt) if fp8
+                           else (norm(x, layer=layer), None, None))
+    return [linear(x, gemm_impl=gemm_impl, scale_fmt=scale_fmt, reduce=reduce, out_dtype=out_dtype, layer=layer,
+                   x_fp8=x_fp8) for linear in linears]
+
+
+def _projection_kernel(linears, x, norm, layer) -> dict | None:
+    """`norm_project`'s arguments for `project`, or None where its one launch does not apply: more rows than
+    PROJECTION_KERNEL_MAX_ROWS, no GPU, fp8 weights (act_quant and the fp8 GEMM, or the dequantizing GEMM, measure
+    faster at the V3 shape), a few rows without a norm (XLA's GEMV is the faster there), weights in another dtype
+    than x or not all read in place."""
+    rows = math.prod(x.shape[:-1])
+    if not projection_kernel_applies(rows) or any(linear.scale is not None for linear in linears):
+        return None
+    if norm is None and rows <= VECTOR_MAX_ROWS:
+        return None
+    weights = [linear.weight[...] for linear in linears]
+    stacked = {w.ndim == 3 for w in weights} | ({norm.weight.ndim == 2} if norm is not None else set())
+    if len(stacked) != 1 or (True in stacked and layer is None) or any(w.dtype != x.dtype for w in weights):
+        return None
+    return dict(weights=weights, norm=None if norm is None else norm.weight[...],
+                eps=norm.eps if norm is not None else 1e-6, layer=layer if True in stacked else None)
 
 
 class ParallelEmbedding(nnx.Module):
