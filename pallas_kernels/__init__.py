@@ -10,6 +10,7 @@
     o = flash_attention(q, k, v, positions, scale=s, kv_start=0)  # causal prefill, no (S, T) scores
     w, i = route(logits, bias, topk=k, n_groups=g, topk_groups=kg, score_func="sigmoid")  # MoE routing
     y, h = rms_norm(x, weight, eps=1e-6, residual=r)              # RMSNorm of x + r, and x + r, one launch
+    q, kv = projection.norm_project(x, [wq, wkv_a], norm=w)       # RMSNorm(x) W_i^T for each weight, one launch
 
 On an NVIDIA GPU the kernels compile through Pallas' Triton backend; on Hopper (sm_90) fp8_gemm at
 M >= 128 (gemm_mgpu; fp8_gemm_path says which), grouped_gemm for prefill-sized steps (grouped_mgpu;
@@ -18,7 +19,7 @@ GPU kernels (TMA, wgmma). On any other backend they run in Pallas interpret mode
 slowly), except flash_attention, which runs its jnp twin there (an online softmax over key blocks).
 All are jit- and shard_map-compatible. `pallas_kernels.reference` holds plain-jnp twins used as the
 tests' oracle. The modules are named for what they do (quantize, dequantize, gemm, grouped, mla,
-flash_attention, norm, router), so that each stays reachable beside the function it exports. FP8_BLOCK,
+flash_attention, norm, projection, router), so that each stays reachable beside the function it exports. FP8_BLOCK,
 FP8_DTYPE and cdiv are the one definition the model uses too.
 """
 from ._common import BLOCK as FP8_BLOCK, FP8 as FP8_DTYPE, cdiv, use_interpret
