@@ -4,10 +4,11 @@ against the XLA path it replaces.
 
 Cases: MLA's query and latent projections after attn_norm, bf16, two weights of a three-layer stack read at layer 1
 (another layer's weights differ by O(1)), 40 columns leaving a partial column tile; float32 rows without a norm
-(the output projection), four K steps (a step left out moves the result by ~50 %); fp8 weights dequantized tile
-by tile (gemm_impl "bf16") and multiplied in fp8 after the normed rows are quantized as act_quant does (gemm_impl
-"fp8", both scale formats); each kind both as vector products (a few rows) and as a dot (more). Weight scales are powers of two from 1/16 to 4 times a random factor, so a tile given a
-neighbouring block's scale is off by 2x or more. bf16 results are held to about one bf16 rounding of the float64
+(the output projection); fp8 weights dequantized tile by tile (gemm_impl "bf16") and multiplied in fp8 after the
+normed rows are quantized as act_quant does (gemm_impl "fp8", both scale formats); each kind both as vector products
+(a few rows) and as a dot (more), each over several K steps (a step left out moves the result by ~25-50 %). Weight
+scales are powers of two from 1/16 to 4 times a random factor, so a tile given a neighbouring block's scale is off
+by 2x or more. bf16 results are held to about one bf16 rounding of the float64
 value (relative L2 < 4e-3), float32 ones to 1e-6.
 """
 import jax
@@ -22,7 +23,7 @@ EPS = 1e-6
 LAYERS, LAYER = 3, 1
 # (what, rows, K, output widths, x dtype, weights: "plain" / "dequantize" / "e4m3" / "ue8m0", normed); up to
 # VECTOR_MAX_ROWS rows run as vector products, more as a dot: each kind of weight is checked on both
-CASES = [("attn_norm, wq and wkv_a, bf16, 1 row", 1, 512, (96, 40), jnp.bfloat16, "plain", True),
+CASES = [("attn_norm, wq and wkv_a, bf16, 1 row", 1, 2048, (96, 40), jnp.bfloat16, "plain", True),
          ("attn_norm, wq and wkv_a, bf16, 12 rows", 12, 512, (96, 40), jnp.bfloat16, "plain", True),
          ("wo, float32, no norm, 5 rows", 5, 1024, (64,), jnp.float32, "plain", False),
          ("fp8 weights dequantized, 3 rows", 3, 384, (128, 96), jnp.bfloat16, "dequantize", True),
