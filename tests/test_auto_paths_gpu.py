@@ -78,6 +78,19 @@ def variant(model, **choices) -> dsv3_jax.Model:
                           RunOptions.make(model.options, **choices))
 
 
+def with_random_norms(model, names) -> dsv3_jax.Model:
+    """The model with the weights of the named norms drawn around 1 (a build leaves them all 1, where a kernel that
+    dropped a norm's weight would pass)."""
+    rng = np.random.default_rng(5)
+
+    def leaf(path, value):
+        named = any(name in jax.tree_util.keystr(path) for name in names)
+        return jnp.asarray(1 + 0.5 * rng.standard_normal(value.shape), value.dtype) if named else value
+
+    state = jax.tree_util.tree_map_with_path(leaf, model.state)
+    return dsv3_jax.Model(model.args, model.graphdef, state, model.mesh, model.options)
+
+
 def step_inputs(args: ModelArgs, batch: int, seq: int, start: int, seed: int):
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, args.vocab_size, (batch, seq)).astype(np.int32)

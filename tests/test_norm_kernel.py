@@ -175,15 +175,15 @@ def test_the_models_norm_kernels_match_its_xla_norms(monkeypatch):
     feed wq_a, wkv_a, wq_b, the dense w1/w3 and the routed experts' kernels in place of their act_quant,
     and the latent's norm and its rotary key come from one kernel. A decode step agrees with the same
     model's XLA norms (bf16 logits, relative L2 < 2e-2; quantized rows of another norm's
-    output would be O(1) off), and its jaxpr holds the norm kernels (the other kernels run their twins;
+    output, or rows normed without the norm's weight, would be O(1) off: the weights are random), and its jaxpr holds the norm kernels (the other kernels run their twins;
     tests/test_gpu_lowering.py counts the act_quant launches the norms save)."""
     import dsv3_jax
     from dsv3_jax.decode.step import make_step
     from kernel_checks import KERNEL_MODULES, kernel_twins
     from dsv3_jax.model import attention, block, layers
-    from test_auto_paths_gpu import small_v3, step_inputs, variant
+    from test_auto_paths_gpu import small_v3, step_inputs, variant, with_random_norms
 
-    base = dsv3_jax.build(small_v3("fp8"), seed=0)
+    base = with_random_norms(dsv3_jax.build(small_v3("fp8"), seed=0), ("attn_norm", "ffn_norm", "q_norm", "kv_norm"))
     steps = [(2, 1, 0)]  # a decode step
 
     def run():

@@ -131,21 +131,24 @@ MODEL_CASES = [("V3 form, 6 rows (a dot)", 256, 6, 3),
 
 @pytest.mark.parametrize("case", MODEL_CASES, ids=[c[0] for c in MODEL_CASES])
 def test_the_models_projections_match_its_xla_path(monkeypatch, case):
-    """The small V3 model of tests/test_auto_paths_gpu.py with the projections' one launch forced on (interpret mode;
-    on a GPU it runs in steps of up to PROJECTION_KERNEL_MAX_ROWS rows): attn_norm inside wq_a + wkv_a (or wq +
-    wkv_a), q_norm inside wq_b, and wo (not for a few rows), each layer's weights read from their
+    """A small V3 model (tests/test_auto_paths_gpu.py's, narrower) with the projections' one launch forced on
+    (interpret mode; on a GPU it runs in steps of up to PROJECTION_KERNEL_MAX_ROWS rows): attn_norm inside wq_a +
+    wkv_a (or wq + wkv_a), q_norm inside wq_b, and wo (not for a few rows), each layer's weights read from their
     stacks in place. A decode step agrees with the same model's XLA norms and projections (bf16 logits, relative L2
-    < 2e-2: a projection of another layer, or of rows normed without their weight, is O(1) off), and its jaxpr holds
-    the kernel (the other kernels run their twins)."""
+    < 2e-2: a projection of another layer, or of rows normed without their weight, is O(1) off; the norms' weights
+    are random, not a build's ones), and its jaxpr holds the kernel (the other kernels run their twins)."""
     import dsv3_jax
     from dsv3_jax.decode.step import make_step
     from dsv3_jax.model import block, layers
     from kernel_checks import KERNEL_MODULES, kernel_twins
-    from test_auto_paths_gpu import small_v3, step_inputs, variant
+    from test_auto_paths_gpu import small_v3, step_inputs, variant, with_random_norms
 
     _, q_lora, rows, launches = case
-    # two MoE layers: their stack's launches read layer 0 and then layer 1 of it
-    base = dsv3_jax.build(small_v3("bf16").replace(q_lora_rank=q_lora, n_layers=3), seed=0)
+    # two MoE layers: their stack's launches read layer 0 and then layer 1 of it; narrower than small_v3 (compiles
+    # faster), every projection still over several of the kernel's column programs and K steps
+    args = small_v3("bf16").replace(q_lora_rank=q_lora, n_layers=3, dim=512, inter_dim=1024, vocab_size=1024,
+                                    n_routed_experts=16)
+    base = with_random_norms(dsv3_jax.build(args, seed=0), ("attn_norm", "q_norm"))
 
     def run():
         model = variant(base, gemm_impl="bf16")
