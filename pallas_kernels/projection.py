@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ._common import (AMAX_FLOOR, BLOCK, FP8, FP8_MAX, cdiv, exact_div, fail, interpret_in_shard_map, match_vma,
                       pow2_ceil, result, use_interpret, vma_union)
+from .norm import rms_norm_ref
 from .reference import act_quant_ref, fp8_gemm_ref, weight_dequant_ref
 
 _FN = "norm_project"
@@ -66,14 +67,10 @@ class Plan(NamedTuple):
 
 def norm_project_ref(x, weights, *, scales=None, norm=None, eps: float = 1e-6, layer=None, quantize=None,
                      out_dtype=None) -> list:
-    """The jnp twin: the model's RMSNorm (float32, cast to x's dtype), then each weight's product as
+    """The jnp twin: the model's RMSNorm (`rms_norm_ref`: float32, cast to x's dtype), then each weight's product as
     `weight_dequant` + dot (float32 accumulation), or `act_quant` + `fp8_gemm_ref` with `quantize`."""
     pick = (lambda a: a) if layer is None else (lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
-    rows = x
-    if norm is not None:
-        xf = x.astype(jnp.float32)
-        rows = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-                * pick(norm).astype(jnp.float32)).astype(x.dtype)
+    rows = x if norm is None else rms_norm_ref(x, norm, eps=eps, layer=layer)
     out_dtype = out_dtype or x.dtype
     outs = []
     for i, weight in enumerate(weights):
@@ -179,7 +176,8 @@ def _kernel(layer_ref, x_ref, *refs, plan: Plan, m, eps, normed, fp8, quantize, 
         first, width = plan.firsts[i], plan.widths[i]
         block = functools.partial(_project_block, x, w_refs[i], s_refs[i], o_refs[i], width=width,
                                   steps=x_ref.shape[1] // plan.block_k, quantize=quantize, interpret=interpret)
-        pl.when((p >= first) & (p < first + cdiv(width, plan.block_n)))(lambda block=block, first=first: block(p - first))
+        mine = (p >= first) & (p < first + cdiv(width, plan.block_n))
+        pl.when(mine)(lambda block=block, first=first: block(p - first))
 
 
 def _inverse_rms(x_ref, rows, row_ok, block_k: int, eps: float):

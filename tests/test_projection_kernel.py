@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.projection import norm_project
+from pallas_kernels.projection import norm_project, norm_project_ref
 
 EPS = 1e-6
 LAYERS, LAYER = 3, 1
@@ -76,16 +76,21 @@ def float64_fp8_product(rows, w, s, scale_fmt) -> np.ndarray:
     return np.einsum("mgk,ngk,mg,ng->mn", q, weight, scale.astype(np.float64), w_scale)
 
 
-_run = jax.jit(lambda x, weights, scales, norm, quantize=None: norm_project(
-    x, weights, scales=scales, norm=norm, eps=EPS, layer=jnp.int32(LAYER), quantize=quantize),
-    static_argnames="quantize")
+def at_layer(fn):
+    """`fn` (the kernel or its jnp twin) jitted, reading the stacks at LAYER."""
+    return jax.jit(lambda x, weights, scales, norm, quantize=None: fn(
+        x, weights, scales=scales, norm=norm, eps=EPS, layer=jnp.int32(LAYER), quantize=quantize),
+        static_argnames="quantize")
 
 
-def check(case, seed):
+KERNEL, TWIN = at_layer(norm_project), at_layer(norm_project_ref)
+
+
+def check(case, seed, run=KERNEL):
     dtype, kind = case[4], case[5]
     x, weights, scales, norm = make_inputs(case, np.random.default_rng(seed))
     quantize = kind if kind in ("e4m3", "ue8m0") else None
-    got = _run(x, weights, scales, norm, quantize=quantize)
+    got = run(x, weights, scales, norm, quantize=quantize)
     rows = float64_rows(x, norm, dtype)
     for i, (w, y) in enumerate(zip(weights, got, strict=True)):
         s = None if scales is None else scales[i]
@@ -99,6 +104,12 @@ def check(case, seed):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_projections_match_float64(case):
     check(case, seed=CASES.index(case))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_the_jnp_twin_matches_float64(case):
+    """The twin that device-varying shard_map operands fall back to (`interpret_in_shard_map`)."""
+    check(case, seed=CASES.index(case), run=TWIN)
 
 
 @pytest.mark.gpu
