@@ -173,7 +173,7 @@ def test_the_models_projections_match_its_xla_path(monkeypatch, case):
         want, xla_jaxpr = run()
         with monkeypatch.context() as patch:
             for module in (block, layers):
-                patch.setattr(module, "projection_kernel_applies", lambda rows: True)
+                patch.setattr(module, "projection_kernel_applies", lambda rows, fp8_weights: not fp8_weights)
             got, jaxpr = run()
     assert jaxpr.count("name=norm_project") == 2 * launches  # the dense layers' stack and the MoE layers'
     assert "norm_project" not in xla_jaxpr

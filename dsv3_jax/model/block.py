@@ -81,7 +81,7 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None
     in_place = fp8 and ((ctx.options.gemm_impl == "fp8" and fp8_gemm_reads_stacks_in_place(rows))
                         or dequant_kernel_applies(ctx.options.gemm_impl, rows))
     names = (WHOLE_STACKS + (FP8_GEMM_STACKS if in_place else ()) + (NORM_STACKS if norm_kernel_applies(rows) else ())
-             + (PROJECTION_STACKS if not fp8 and projection_kernel_applies(rows) else ()))
+             + (PROJECTION_STACKS if projection_kernel_applies(rows, fp8) else ()))
     graphdef, whole, rest = nnx.split(stack, nnx.Any(*map(nnx.PathContains, names)), ...)
     depth = stack.attn_norm.weight.shape[0]  # every parameter has the layer axis; `rest` can be empty
 

@@ -173,9 +173,10 @@ class RMSNorm(nnx.Module):
 PROJECTION_KERNEL_MAX_ROWS = 16
 
 
-def projection_kernel_applies(rows: int) -> bool:
-    """Whether a step of `rows` rows runs `project`'s one-launch form (on a GPU)."""
-    return rows <= PROJECTION_KERNEL_MAX_ROWS and not use_interpret()
+def projection_kernel_applies(rows: int, fp8_weights: bool) -> bool:
+    """Whether a step of `rows` rows runs `project`'s one-launch form (on a GPU): not for fp8 weights, where
+    act_quant and the fp8 GEMM, or the dequantizing GEMM, measure faster at the V3 shape."""
+    return rows <= PROJECTION_KERNEL_MAX_ROWS and not fp8_weights and not use_interpret()
 
 
 def project(linears, x: jnp.ndarray, *, norm: RMSNorm | None = None, norm_scope: str = "norm", gemm_impl: str = "bf16",
@@ -200,11 +201,10 @@ def project(linears, x: jnp.ndarray, *, norm: RMSNorm | None = None, norm_scope:
 
 def _projection_kernel(linears, x, norm, layer) -> dict | None:
     """`norm_project`'s arguments for `project`, or None where its one launch does not apply: more rows than
-    PROJECTION_KERNEL_MAX_ROWS, no GPU, fp8 weights (act_quant and the fp8 GEMM, or the dequantizing GEMM, measure
-    faster at the V3 shape), a few rows without a norm (XLA's GEMV is the faster there), weights in another dtype
-    than x or not all read in place."""
+    PROJECTION_KERNEL_MAX_ROWS, no GPU, fp8 weights (`projection_kernel_applies`), a few rows without a norm (XLA's
+    GEMV is the faster there), weights in another dtype than x or not all read in place."""
     rows = math.prod(x.shape[:-1])
-    if not projection_kernel_applies(rows) or any(linear.scale is not None for linear in linears):
+    if not projection_kernel_applies(rows, any(linear.scale is not None for linear in linears)):
         return None
     if norm is None and rows <= VECTOR_MAX_ROWS:
         return None
