@@ -66,6 +66,17 @@ def scopes_of_instructions(hlo_text: str) -> dict[str, str]:
     return scopes
 
 
+def gpu_events(run) -> list[dict]:
+    """The GPU kernel events (Perfetto "X" events of a GPU process) of a jax.profiler trace around run()."""
+    out = tempfile.mkdtemp()
+    with jax.profiler.trace(out, create_perfetto_trace=True):
+        run()
+    trace = json.load(gzip.open(glob.glob(f"{out}/**/*.trace.json.gz", recursive=True)[0]))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return [e for e in events if e.get("ph") == "X" and "gpu" in names.get(e.get("pid"), "").lower()]
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
@@ -120,28 +131,21 @@ def main() -> None:
     t0 = time.perf_counter()
     run(o.steps)
     wall = (time.perf_counter() - t0) / o.steps  # timed outside the profiler
-    out = tempfile.mkdtemp()
-    with jax.profiler.trace(out, create_perfetto_trace=True):
-        run(o.steps)
-    trace = json.load(gzip.open(glob.glob(f"{out}/**/*.trace.json.gz", recursive=True)[0]))
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     kernels = collections.defaultdict(lambda: {"count": 0, "us": 0.0, "scope": ""})
     scopes = collections.defaultdict(lambda: {"count": 0, "us": 0.0})
-    for e in events:
-        if e.get("ph") == "X" and "gpu" in names.get(e.get("pid"), "").lower():
-            a = e.get("args", {})
-            label = " ".join(str(a.get(k, "")) for k in ("tf_op", "long_name", "hlo_op", "name"))
-            scope = scope_of(label)
-            if scope == "other":
-                key = lambda name: str(name).replace(".", "_")  # noqa: E731
-                scope = instruction_scope.get(key(e["name"]), instruction_scope.get(key(a.get("hlo_op", "")), "other"))
-            row = kernels[e["name"]]
-            row["count"] += 1
-            row["us"] += e.get("dur", 0.0)
-            row["scope"] = row["scope"] or scope
-            scopes[scope]["count"] += 1
-            scopes[scope]["us"] += e.get("dur", 0.0)
+    for e in gpu_events(lambda: run(o.steps)):
+        a = e.get("args", {})
+        label = " ".join(str(a.get(k, "")) for k in ("tf_op", "long_name", "hlo_op", "name"))
+        scope = scope_of(label)
+        if scope == "other":
+            key = lambda name: str(name).replace(".", "_")  # noqa: E731
+            scope = instruction_scope.get(key(e["name"]), instruction_scope.get(key(a.get("hlo_op", "")), "other"))
+        row = kernels[e["name"]]
+        row["count"] += 1
+        row["us"] += e.get("dur", 0.0)
+        row["scope"] = row["scope"] or scope
+        scopes[scope]["count"] += 1
+        scopes[scope]["us"] += e.get("dur", 0.0)
     n = o.steps
     busy = sum(r["us"] for r in kernels.values())
     result = {"config": o.config, "batch": o.batch, "context": o.context, "build_kwargs": json.loads(o.build_kwargs),

@@ -1,0 +1,129 @@
+"""GPU time per launch of the absorbed-MLA decode kernels under several tilings, at a config's shapes.
+
+    PYTHONPATH=. python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 1,8 --out x.json
+
+For each kernel (`mla_absorb_query`, `mla_decode_splits`, `mla_decode_output`) and tiling, one jit launches
+the kernel once per layer of a stacked wkv_b and cache, so that every launch reads a layer that is not in L2,
+as in the model's decode step. The time is the kernel's duration on the GPU from a profiler trace (dispatch,
+which CUDA graphs hide in the step, is not measured). The first tiling of each kernel is its default.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+
+from dsv3_jax.config import ModelArgs
+from dsv3_jax.model.cache import cache_window
+from pallas_kernels.mla import default_splits, mla_absorb_query, mla_decode_output, mla_decode_splits
+from profile_step import gpu_events
+
+QUERY_TILES = [dict(block_c=c, num_warps=w) for c, w in itertools.product((128, 64, 32), (4, 2))]
+DECODE_TILES = [dict(block_t=t, num_warps=w) for t, w in itertools.product((64, 32, 16), (4, 2))]
+OUTPUT_TILES = [dict(block_v=v, num_warps=w) for v, w in itertools.product((32, 16, 64), (4, 2))]
+OUTPUT_SPLIT_BLOCKS = (64, 32)  # the output kernel merges as many splits as mla_decode_splits made at these
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--context", type=int, default=512, help="cached positions each row attends to")
+    p.add_argument("--layers", type=int, default=27, help="layers in the stacks (at most the config's)")
+    p.add_argument("--repeats", type=int, default=5, help="jit calls traced per tiling")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    return p.parse_args()
+
+
+def operands(args: ModelArgs, layers: int, batch: int, window: int) -> dict:
+    """Random decode-step operands at the config's shapes: the query, a bf16 wkv_b stack, the caches."""
+    heads, nope, rope, rank = args.n_heads, args.qk_nope_head_dim, args.qk_rope_head_dim, args.kv_lora_rank
+    keys = iter(jax.random.split(jax.random.key(0), 16))
+
+    def normal(shape, scale=1.0, dtype=jnp.bfloat16):
+        return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    angles = normal((batch, rope // 2), 3.0, jnp.float32)
+    return dict(q=normal((batch, heads, nope + rope)), q_pe=normal((batch, heads, rope)),
+                q_latent=normal((batch, heads, rank)), wkv_b=normal((layers, heads * (nope + args.v_head_dim), rank),
+                                                                    rank ** -0.5),
+                kv=normal((layers, batch, window, rank)), pe=normal((layers, batch, window, rope)),
+                new_kv=normal((batch, rank)), new_pe=normal((batch, rope)), cos=jnp.cos(angles), sin=jnp.sin(angles),
+                lengths=jnp.full((batch,), window - 64, jnp.int32))
+
+
+def launch_us(name: str, per_layer, layers: int, repeats: int) -> float | str:
+    """Mean GPU time of the kernel events called `name` while a jit of per_layer(layer) for each layer runs
+    (or the first line of the error of a tiling that does not compile)."""
+    try:
+        return _traced_us(name, per_layer, layers, repeats)
+    except Exception as e:  # noqa: BLE001 -- a tiling Triton refuses is a result of the sweep
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+
+
+def _traced_us(name: str, per_layer, layers: int, repeats: int) -> float:
+    many = jax.jit(lambda: [per_layer(jnp.int32(layer)) for layer in range(layers)])
+    jax.block_until_ready(many())
+    jax.block_until_ready(many())
+    events = [e for e in gpu_events(lambda: [jax.block_until_ready(many()) for _ in range(repeats)])
+              if e["name"].startswith(name)]
+    if len(events) != layers * repeats:
+        raise RuntimeError(f"sweep_mla_tiles: {len(events)} '{name}' kernels traced, expected {layers * repeats}")
+    return sum(e["dur"] for e in events) / len(events)
+
+
+def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int):
+    """Yield one row a (kernel, tiling) at this batch."""
+    window = cache_window(context + 64, args.max_seq_len)
+    x = operands(args, layers, batch, window)
+    nope, scale = args.qk_nope_head_dim, args.qk_head_dim ** -0.5
+    row = dict(batch=batch, window=window)
+    for tiles in QUERY_TILES:
+        run = lambda layer, t=tiles: mla_absorb_query(x["q"], x["wkv_b"], layer, nope=nope,  # noqa: E731
+                                                      rope=(x["cos"], x["sin"], True), **t)
+        yield dict(row, kernel="mla_absorb_query", tiles=tiles, us=launch_us("mla_absorb_query", run, layers, repeats))
+    for tiles in DECODE_TILES:
+        run = lambda layer, t=tiles: mla_decode_splits(x["q_latent"], x["q_pe"], x["kv"], x["pe"],  # noqa: E731
+                                                       layer, x["lengths"], kv_len=window, scale=scale, **t)
+        yield dict(row, kernel="mla_decode", tiles=tiles, splits=default_splits(batch, args.n_heads, window,
+                                                                                tiles["block_t"], 16),
+                   us=launch_us("mla_decode", run, layers, repeats))
+    for block_t, tiles in itertools.product(OUTPUT_SPLIT_BLOCKS, OUTPUT_TILES):
+        acc, m, l = mla_decode_splits(x["q_latent"], x["q_pe"], x["kv"], x["pe"], 0, x["lengths"], kv_len=window,
+                                      scale=scale, block_t=block_t)
+        run = lambda layer, t=tiles: mla_decode_output(  # noqa: E731
+            acc, m, l, x["q_latent"], x["q_pe"], x["new_kv"], x["new_pe"], x["wkv_b"], layer, scale=scale,
+            v_dim=args.v_head_dim, **t)
+        yield dict(row, kernel="mla_decode_output", tiles=tiles, splits=int(acc.shape[1]),
+                   us=launch_us("mla_decode_output", run, layers, repeats))
+
+
+def main() -> None:
+    o = parse_args()
+    args = ModelArgs.from_reference_json(o.config)
+    layers = min(o.layers, args.n_layers)
+    batches = [int(b) for b in o.batches.split(",")]
+    args = args.replace(max_batch_size=max(batches), max_seq_len=o.context + 64)
+    rows = []
+    for batch in batches:
+        for row in sweep(args, layers, batch, o.context, o.repeats):
+            rows.append(row)
+            print(row_line(row), flush=True)
+    if o.out:
+        with open(o.out, "w") as f:
+            json.dump(dict(config=o.config, device=jax.devices()[0].device_kind, jax=jax.__version__,
+                           layers=layers, context=o.context, rows=rows), f, indent=1)
+
+
+def row_line(r: dict) -> str:
+    tiles = " ".join(f"{k}={v}" for k, v in r["tiles"].items())
+    splits = f" splits={r['splits']}" if "splits" in r else ""
+    us = f"{r['us']:7.2f} us" if isinstance(r["us"], float) else r["us"]
+    return f"b={r['batch']:<3d} {r['kernel']:18s} {tiles:40s}{splits:11s} {us}"
+
+
+if __name__ == "__main__":
+    main()
