@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import BLOCK, FP8, cdiv, fail, interpret_in_shard_map, match_vma, num_sms, result, use_interpret, vma_union
+from .norm import latent_norm_rope_ref
 from .rotary import rotate_ref, rotate_rows
 from .reference import weight_dequant_ref
 
@@ -26,6 +27,8 @@ _NEG = -1e30  # finite "minus infinity": an empty split must not produce inf - i
 # Default split-K: enough programs for this many per SM. Over a long cache two 4-warp programs an SM keep
 # more loads in flight than one and read it faster (benchmarks/NOTES.md, "thresholds").
 PROGRAMS_PER_SM = 2
+# mla_decode_output merges this many splits a loop step (a loop of one split a step waited on each load in turn)
+MERGE_GROUP = 8
 
 
 def mla_decode_ref(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_pe, *, scale: float):
@@ -247,7 +250,8 @@ def _batch_block(batch: int) -> int:
     return max(16, min(64, 1 << max(0, (batch - 1).bit_length())))
 
 
-def mla_absorb_query_ref(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, nope: int | None = None, rope=None):
+def mla_absorb_query_ref(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, nope: int | None = None, rope=None,
+                         latent_norm=None):
     """Plain-XLA twin of `mla_absorb_query`."""
     heads, nope = q_nope.shape[1], nope or q_nope.shape[2]
     w_k = _wkv_b_layer(wkv_b, layer, heads, wkv_b_scale, q_nope.dtype)[:, :nope]
@@ -255,11 +259,16 @@ def mla_absorb_query_ref(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, nope: i
     if rope is None:
         return q_latent
     cos, sin, interleaved = rope
-    return q_latent, rotate_ref(q_nope[..., nope:], cos[:, None, :], sin[:, None, :], interleaved)
+    q_pe = rotate_ref(q_nope[..., nope:], cos[:, None, :], sin[:, None, :], interleaved)
+    if latent_norm is None:
+        return q_latent, q_pe
+    kv, weight, eps = latent_norm
+    return (q_latent, q_pe, *latent_norm_rope_ref(kv, weight, cos, sin, eps=eps, rank=weight.shape[-1], layer=layer,
+                                                  interleaved=interleaved))
 
 
 def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, nope: int | None = None, rope=None,
-                     block_c: int = 128, num_warps: int = 4, num_stages: int = 1):
+                     latent_norm=None, block_c: int = 64, num_warps: int = 4, num_stages: int = 1):
     """The decode query in latent space: q_latent[b, h] = q_nope[b, h] @ W[h, :D], in q_nope's dtype
     (float32 accumulation), where W = wkv_b viewed as (H, D + V, C): its key half absorbed into the query.
 
@@ -271,6 +280,10 @@ def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, nope: int |
     rope: (cos, sin, interleaved), the angles (B, R / 2) float32 of the whole query's R = width - D rotary
     columns: then also q_pe, those columns rotated (B, H, R) in the query's dtype, is returned (the
     programs of C block 0 write it), so the query's rotary needs no kernel of its own.
+    latent_norm: (kv, weight, eps) with rope and a wkv_b stack: wkv_a's output kv (B, C + R) of the same
+    tokens and the latent norm's weight stack (L, C), read at `layer`; then the latent kv[:, :C] RMS-normed
+    and the shared rotary key kv[:, C:] rotated by the query's angles are returned too (as `latent_norm_rope`
+    computes them, in kv's dtype), by one more program per batch block beside the heads' programs.
     """
     batch, heads, width = q_nope.shape
     nope = width if nope is None else nope
@@ -281,18 +294,37 @@ def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, nope: int |
         fail(_QUERY, f"nope={nope} exceeds the query's {width} columns")
     _check_block(_QUERY, "block_c", block_c, None if w.scale is None else BLOCK)
     angles = () if rope is None else _query_angles(rope, batch, width - nope)
+    latent = () if latent_norm is None else _latent_operands(latent_norm, rope, layer, batch, width - nope)
     interpret = use_interpret()
     if batch == 0 or interpret_in_shard_map(interpret, q_nope, wkv_b):
-        return mla_absorb_query_ref(q_nope, wkv_b, layer, wkv_b_scale=wkv_b_scale, nope=nope, rope=rope)
+        return mla_absorb_query_ref(q_nope, wkv_b, layer, wkv_b_scale=wkv_b_scale, nope=nope, rope=rope,
+                                    latent_norm=latent_norm)
     block_b = _batch_block(batch)
     kernel = functools.partial(_query_kernel, batch=batch, nope=nope, per_head=w.stack.shape[1] // heads, rank=rank,
                                block_b=block_b, block_c=block_c, fp8=w.scale is not None,
-                               interleaved=None if rope is None else bool(rope[2]))
+                               interleaved=None if rope is None else bool(rope[2]),
+                               eps=None if latent_norm is None else float(latent_norm[2]))
     outputs = [((batch, heads, rank), q_nope.dtype)]
     outputs += [] if rope is None else [((batch, heads, width - nope), q_nope.dtype)]
+    if latent:
+        outputs += [((batch, latent[1].shape[1]), latent[0].dtype), ((batch, width - nope), latent[0].dtype)]
     out = _per_head_launch(_QUERY, kernel, outputs, (cdiv(rank, block_c), cdiv(batch, block_b)),
-                           (num_warps, num_stages), interpret, w.layer, q_nope, *w.refs, *angles)
+                           (num_warps, num_stages), interpret, w.layer, q_nope, *w.refs, *angles, *latent,
+                           programs=heads + bool(latent))
     return out[0] if rope is None else tuple(out)
+
+
+def _latent_operands(latent_norm, rope, layer, batch: int, rope_width: int) -> tuple:
+    """`mla_absorb_query`'s latent_norm argument checked: (kv, the norm's weight stack)."""
+    kv, weight, _ = latent_norm
+    rank = weight.shape[-1]
+    if rope is None or layer is None or weight.ndim != 2 or rank < 16 or rank & (rank - 1):
+        fail(_QUERY, f"latent_norm needs rope, a wkv_b stack with `layer` and a weight stack (L, C), C a power of two "
+                     f">= 16; got weight {tuple(weight.shape)}" + (", no rope" if rope is None else ""))
+    if kv.shape != (batch, rank + rope_width):
+        fail(_QUERY, f"latent_norm's kv has shape {tuple(kv.shape)}, expected {(batch, rank + rope_width)} "
+                     f"(the latent's {rank} columns, then the query's {rope_width} rotary ones)")
+    return kv, weight
 
 
 def _query_angles(rope, batch: int, width: int) -> tuple:
@@ -306,53 +338,84 @@ def _query_angles(rope, batch: int, width: int) -> tuple:
 
 
 def _per_head_launch(name: str, kernel, outputs: list, blocks: tuple, launch: tuple[int, int], interpret: bool,
-                     layer, *operands):
+                     layer, *operands, programs: int | None = None):
     """One pallas_call over a (head, *blocks) grid of `kernel` on `layer` and `operands`, its `outputs` a list of
-    ((B, H, ...), dtype); `launch` is Triton's (num_warps, num_stages)."""
+    ((B, H, ...), dtype) first; `launch` is Triton's (num_warps, num_stages); `programs` along the head axis
+    (default H)."""
     vma = vma_union(*operands)
     num_warps, num_stages = launch
     return pl.pallas_call(
         kernel,
         out_shape=[result(shape, dtype, vma) for shape, dtype in outputs],
-        grid=(outputs[0][0][1], *blocks),
+        grid=(programs or outputs[0][0][1], *blocks),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,
     )(*match_vma(vma, layer, *operands))
 
 
-def _query_kernel(layer_ref, q_ref, w_ref, *refs, batch, nope, per_head, rank, block_b, block_c, fp8, interleaved):
+def _query_kernel(layer_ref, q_ref, w_ref, *refs, batch, nope, per_head, rank, block_b, block_c, fp8, interleaved,
+                  eps):
     """An fp8 wkv_b's key half is read in chunks of 128 rows, one scale each (block_c <= 128: one column).
-    With `interleaved` (not None) the programs of C block 0 also rotate the query's rotary columns."""
+    With `interleaved` (not None) the programs of C block 0 also rotate the query's rotary columns; with `eps`
+    (not None) the programs past the heads norm the latent and rotate the shared key."""
     refs = list(refs)
     s_ref = refs.pop(0) if fp8 else None
     cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if interleaved is not None else (None, None)
-    o_ref = refs.pop(0)
+    kv_ref, nw_ref = (refs.pop(0), refs.pop(0)) if eps is not None else (None, None)
+    o_ref, *pe_refs = refs
     h, cb, bb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     row_ok = bb * block_b + jnp.arange(block_b) < batch
-    col_ok = cb * block_c + jnp.arange(block_c) < rank
-    bs, cs = pl.ds(bb * block_b, block_b), pl.ds(cb * block_c, block_c)
-    chunk = BLOCK if fp8 else nope
-    acc = jnp.zeros((block_b, block_c), jnp.float32)
-    for c in range(nope // chunk):
-        q = plgpu.load(q_ref.at[bs, h, pl.ds(c * chunk, chunk)], mask=row_ok[:, None], other=0)
-        w = _load_weight(w_ref.at[layer, pl.ds(h * per_head + c * chunk, chunk), cs],
-                         None if rank % block_c == 0 else col_ok[None, :])
-        if fp8:
-            w = _dequantized(w, s_ref[layer, (h * per_head) // BLOCK + c, (cb * block_c) // BLOCK], q.dtype)
-        acc += jax.lax.dot(q, w, preferred_element_type=jnp.float32)
-    plgpu.store(o_ref.at[bs, h, cs], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
-    if interleaved is not None:
-        (pe_ref,) = refs
+    bs = pl.ds(bb * block_b, block_b)
+    heads = q_ref.shape[1]
 
-        @pl.when(cb == 0)
-        def _():
-            width = pe_ref.shape[2]
-            x = plgpu.load(q_ref.at[bs, h, pl.ds(nope, width)], mask=row_ok[:, None], other=0)
-            cos, sin = (plgpu.load(r.at[bs, :], mask=row_ok[:, None], other=0.0) for r in (cos_ref, sin_ref))
-            plgpu.store(pe_ref.at[bs, h, :], rotate_rows(x, cos, sin, interleaved).astype(pe_ref.dtype),
-                        mask=row_ok[:, None])
+    def absorb():
+        col_ok = cb * block_c + jnp.arange(block_c) < rank
+        cs = pl.ds(cb * block_c, block_c)
+        chunk = BLOCK if fp8 else nope
+        acc = jnp.zeros((block_b, block_c), jnp.float32)
+        for c in range(nope // chunk):
+            q = plgpu.load(q_ref.at[bs, h, pl.ds(c * chunk, chunk)], mask=row_ok[:, None], other=0)
+            w = _load_weight(w_ref.at[layer, pl.ds(h * per_head + c * chunk, chunk), cs],
+                             None if rank % block_c == 0 else col_ok[None, :])
+            if fp8:
+                w = _dequantized(w, s_ref[layer, (h * per_head) // BLOCK + c, (cb * block_c) // BLOCK], q.dtype)
+            acc += jax.lax.dot(q, w, preferred_element_type=jnp.float32)
+        plgpu.store(o_ref.at[bs, h, cs], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+        if interleaved is not None:
+            width = pe_refs[0].shape[2]
+            pl.when(cb == 0)(lambda: _rotate_into(pe_refs[0].at[bs, h, :], q_ref.at[bs, h, pl.ds(nope, width)],
+                                                  cos_ref.at[bs, :], sin_ref.at[bs, :], row_ok, interleaved))
+
+    if eps is None:
+        absorb()
+        return
+    pl.when(h < heads)(absorb)
+    latent_ref, kpe_ref = pe_refs[1:]
+
+    @pl.when((h == heads) & (cb == 0))
+    def _():  # RMSNorm over the latent's columns in chunks (two passes, as the norm kernels), then the key's rotary
+        rank = latent_ref.shape[1]
+        chunks = [pl.ds(c * min(rank, BLOCK), min(rank, BLOCK)) for c in range(rank // min(rank, BLOCK))]
+
+        def load(cs):
+            return plgpu.load(kv_ref.at[bs, cs], mask=row_ok[:, None], other=0).astype(jnp.float32)
+
+        squares = functools.reduce(jnp.add, [jnp.sum(load(cs) * load(cs), axis=1) for cs in chunks])
+        inv = jax.lax.rsqrt(squares / rank + eps)[:, None]
+        for cs in chunks:
+            normed = load(cs) * inv * plgpu.load(nw_ref.at[layer, cs]).astype(jnp.float32)[None, :]
+            plgpu.store(latent_ref.at[bs, cs], normed.astype(latent_ref.dtype), mask=row_ok[:, None])
+        _rotate_into(kpe_ref.at[bs, :], kv_ref.at[bs, pl.ds(rank, kpe_ref.shape[1])], cos_ref.at[bs, :],
+                     sin_ref.at[bs, :], row_ok, interleaved)
+
+
+def _rotate_into(out, x, cos, sin, row_ok, interleaved: bool):
+    """The (block_b, R) rows of view x rotated by the (block_b, R / 2) angles of views cos, sin, stored in out."""
+    rows = plgpu.load(x, mask=row_ok[:, None], other=0)
+    cos, sin = (plgpu.load(r, mask=row_ok[:, None], other=0.0) for r in (cos, sin))
+    plgpu.store(out, rotate_rows(rows, cos, sin, interleaved).astype(out.dtype), mask=row_ok[:, None])
 
 
 def mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=None, *, scale: float,
@@ -371,7 +434,7 @@ def mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, laye
 
 
 def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=None, *, scale: float, v_dim: int,
-                      wkv_b_scale=None, block_v: int = 32, num_warps: int = 4, num_stages: int = 1) -> jax.Array:
+                      wkv_b_scale=None, block_v: int = 16, num_warps: int = 4, num_stages: int = 1) -> jax.Array:
     """The end of the absorbed decode attention in one launch: `mla_decode_splits`' partial softmaxes
     (acc, m, l) merged with the new entry's (scored from q_latent, q_pe, new_kv, new_pe as `mla_decode`
     does), the latent output rounded to q_latent's dtype and projected through wkv_b's value half:
@@ -418,11 +481,15 @@ def _merged_latent(acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, *, h, 
     own_weight = jnp.exp(own - top)
     total = jnp.sum(plgpu.load(l_ref.at[bs, pl.ds(0, splits_padded), h], mask=split_ok, other=0) * weights, axis=1)
 
-    def add_split(s, latent):
-        weight = jnp.exp(plgpu.load(m_ref.at[bs, s, h], mask=row_ok, other=_NEG) - top)
-        return latent + plgpu.load(acc_ref.at[bs, s, h, :], mask=row_ok[:, None], other=0) * weight[:, None]
+    def add_group(g, latent):  # MERGE_GROUP splits a step, their loads in flight together
+        for i in range(MERGE_GROUP):
+            split = g * MERGE_GROUP + i
+            ok = row_ok & (split < splits)
+            weight = jnp.exp(plgpu.load(m_ref.at[bs, split, h], mask=ok, other=_NEG) - top)
+            latent = latent + plgpu.load(acc_ref.at[bs, split, h, :], mask=ok[:, None], other=0) * weight[:, None]
+        return latent
 
-    latent = jax.lax.fori_loop(0, splits, add_split, own_weight[:, None] * new_kv)
+    latent = jax.lax.fori_loop(0, cdiv(splits, MERGE_GROUP), add_group, own_weight[:, None] * new_kv)
     return latent / (total + own_weight)[:, None]
 
 

@@ -58,12 +58,13 @@ def absorbed_case(rng, batch, heads, nope, v_dim, rank, rope, lengths, kv_len, d
     return wkv_b, q_nope, kv, pe, q_pe, new_kv, new_pe
 
 
-@pytest.mark.parametrize("batch, heads, lengths, splits", [
-    (3, 4, [0, 77, 200], 3),  # an empty row, splits past a row's end
-    (70, 2, list(range(0, 210, 3)), 1),  # two batch blocks of rows
+@pytest.mark.parametrize("batch, heads, lengths, splits, kv_len", [
+    (3, 4, [0, 77, 200], 3, 224),  # an empty row, splits past a row's end
+    (70, 2, list(range(0, 210, 3)), 1, 224),  # two batch blocks of rows
+    (2, 3, [13, 352], 11, 352),  # 11 splits of 32 positions: merged in two groups of MERGE_GROUP, the second partial
 ])
-def test_absorbed_decode_in_three_launches(batch, heads, lengths, splits, dtype=jnp.float32, tol=1e-5,
-                                           kv_len=224, nope=16, v_dim=32, rank=64, rope=16):
+def test_absorbed_decode_in_three_launches(batch, heads, lengths, splits, kv_len, dtype=jnp.float32, tol=1e-5,
+                                           nope=16, v_dim=32, rank=64, rope=16):
     """mla_absorb_query, then mla_decode_splits and mla_decode_output: wkv_b's key half into the query,
     the attention over the cache and the new entry, the merge and wkv_b's value half, against float64.
     They read layer 1 of the wkv_b stack (layer 0 and the other heads' rows are O(1) off) and layer 1 of
@@ -170,6 +171,42 @@ def test_absorption_rotates_the_query_on_gpu(interleaved):
     test_absorption_rotates_the_query_rope_columns(jnp.bfloat16, 4e-3, interleaved, batch=8, heads=16, nope=128)
 
 
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 4e-3)])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_absorption_norms_the_latent_and_rotates_the_key(dtype, tol, interleaved, batch=20, heads=3, nope=16,
+                                                         rope=64, rank=256, eps=1e-6):
+    """With `latent_norm` the absorption also returns wkv_a's latent RMS-normed by layer 1 of the norm's weight
+    stack and the shared key rotated by the query's angles, against float64 (layer 0's weights, a norm over
+    another count of columns or a chunk left out are O(1) off; 20 rows: two batch blocks, the second partly
+    masked, and a latent of two 128-column chunks). The query's outputs are those of the call without it."""
+    rng = np.random.default_rng(11 + interleaved)
+    q = jnp.asarray(rng.standard_normal((batch, heads, nope + rope)), dtype)
+    wkv_b = jnp.asarray(rng.standard_normal((2, heads * (nope + 32), rank)), dtype)
+    kv = jnp.asarray(3 * rng.standard_normal((batch, rank + rope)), dtype)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, (2, rank)), jnp.float32)
+    angles = rng.uniform(-4, 4, (batch, rope // 2))
+    cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+    rotary = (cos, sin, interleaved)
+    q_latent, q_pe, latent, k_pe = mla_absorb_query(q, wkv_b, jnp.int32(1), nope=nope, rope=rotary,
+                                                    latent_norm=(kv, weight, eps))
+    x = np.asarray(kv, np.float64)
+    want = x[:, :rank] / np.sqrt(np.mean(x[:, :rank] ** 2, axis=1, keepdims=True) + eps) * np.asarray(weight[1])
+    assert latent.shape == (batch, rank) and latent.dtype == dtype and k_pe.shape == (batch, rope)
+    assert np.linalg.norm(np.asarray(latent, np.float64) - want) / np.linalg.norm(want) < tol
+    want_pe = float64_rotary(x[:, None, rank:], np.asarray(angles, np.float32).astype(np.float64), interleaved)[:, 0]
+    assert np.linalg.norm(np.asarray(k_pe, np.float64) - want_pe) / np.linalg.norm(want_pe) < tol
+    for got, alone in zip((q_latent, q_pe), mla_absorb_query(q, wkv_b, jnp.int32(1), nope=nope, rope=rotary)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(alone))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 70])
+def test_absorption_norms_the_latent_on_gpu(batch):
+    """V3's shapes (D = 128, C = 512, rotary 64), bf16, compiled; 70 rows: two batch blocks of 64."""
+    test_absorption_norms_the_latent_and_rotates_the_key(jnp.bfloat16, 4e-3, True, batch=batch, heads=16, nope=128,
+                                                         rank=512)
+
+
 def test_absorption_takes_one_layer_unstacked():
     """An unstacked wkv_b (one layer, as an fp8 layer's dequantized weight) gives the stack's layer."""
     rng = np.random.default_rng(5)
@@ -199,6 +236,11 @@ def test_absorption_argument_errors():
     angles = jnp.zeros((1, 16))
     with pytest.raises(ValueError, match=r"mla_absorb_query: rope needs the query's rotary columns \(8 after nope\)"):
         mla_absorb_query(jnp.zeros((1, 4, 24)), jnp.zeros((4 * 48, 64)), nope=16, rope=(angles, angles, True))
+    q, wkv_b, rope = jnp.zeros((1, 4, 48)), jnp.zeros((2, 4 * 48, 64)), (angles, angles, True)
+    with pytest.raises(ValueError, match=r"latent_norm needs rope, a wkv_b stack .* got weight \(64,\)"):
+        mla_absorb_query(q, wkv_b, 1, nope=16, rope=rope, latent_norm=(jnp.zeros((1, 96)), jnp.zeros(64), 1e-6))
+    with pytest.raises(ValueError, match=r"latent_norm's kv has shape \(1, 64\), expected \(1, 96\)"):
+        mla_absorb_query(q, wkv_b, 1, nope=16, rope=rope, latent_norm=(jnp.zeros((1, 64)), jnp.zeros((2, 64)), 1e-6))
     with pytest.raises(ValueError, match="mla_decode_output: acc"):
         mla_decode_output(jnp.zeros((1, 2, 4, 64)), jnp.zeros((1, 2, 4)), jnp.zeros((1, 2, 4)), jnp.zeros((1, 4, 32)),
                           jnp.zeros((1, 4, 16)), jnp.zeros((1, 64)), jnp.zeros((1, 16)), jnp.zeros((192, 64)),
@@ -225,3 +267,39 @@ def test_absorbed_decode_with_fp8_wkv_b_on_gpu(batch):
     """V3's head shape (D = V = 128, C = 512) with an fp8 wkv_b, bf16, compiled: the same as the kernels
     fed weight_dequant's bf16 stack."""
     test_absorbed_decode_with_fp8_wkv_b(jnp.bfloat16, batch=batch, heads=16, rank=512)
+
+
+def test_the_models_decode_step_norms_the_latent_in_the_query_launch(monkeypatch):
+    """The small V3 model of tests/test_auto_paths_gpu.py (bf16) with random kv_norm weights: a decode step with
+    the MLA decode kernels (interpret mode) and the norm weights read from their stacks, as on a GPU, runs the
+    latent's norm and the shared key's rotary inside mla_absorb_query's launch (no latent_norm_rope in its
+    jaxpr) and agrees with the XLA attention (bf16 logits, relative L2 < 2e-2: a latent normed without its
+    weight or with another layer's is O(1) off in the attention and in the cached entries a later step reads;
+    the second step reads the first's)."""
+    import dsv3_jax
+    from dsv3_jax.decode.step import make_step
+    from dsv3_jax.model import attention, block, layers
+    from kernel_checks import KERNEL_MODULES, kernel_twins
+    from test_auto_paths_gpu import small_v3, step_inputs, variant, with_random_norms
+
+    base = with_random_norms(dsv3_jax.build(small_v3("bf16"), seed=0), ("kv_norm",))
+
+    def run(decode_attn):
+        model = variant(base, decode_attn=decode_attn)
+        step, out = make_step.__wrapped__(model.parts), []  # a fresh jit: traced under the patch or not
+        for seed, start in enumerate((5, 6)):
+            tokens, starts, last, kv_len = step_inputs(model.args, 2, 1, start, seed)
+            jaxpr = str(step.trace(model.state, model.cache, tokens, starts, last, kv_len=kv_len).jaxpr)
+            logits, model.cache = step(model.state, model.cache, tokens, starts, last, kv_len=kv_len)
+            out.append((np.asarray(logits, np.float32), jaxpr))
+        return out
+
+    with kernel_twins(*(name for name in KERNEL_MODULES if name != "mla")):  # the other kernels' twins: fast
+        want = run("xla")
+        with monkeypatch.context() as patch:
+            for module in (attention, block, layers):
+                patch.setattr(module, "norm_kernel_applies", lambda rows: True)
+            got = run("kernel")
+    for (g, jaxpr), (w, _) in zip(got, want, strict=True):
+        assert "name=mla_absorb_query" in jaxpr and "latent_norm_rope" not in jaxpr
+        assert np.linalg.norm(g - w) / np.linalg.norm(w) < 2e-2

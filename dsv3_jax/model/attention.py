@@ -8,6 +8,8 @@ rows (the cache and the step's rows split by batch, weights replicated), or neit
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -99,21 +101,23 @@ class MLA(nnx.Module):
         `cache` is read, not written: attention sees its window with this chunk's entries put in
         place, and the caller stores the returned entries (see `write_cache`)."""
         batch, seq, _ = x.shape
-        q, q_pe, latent, k_pe = self._project(x, ctx, stack_index, norm)
+        q, q_pe, kv = self._project(x, ctx, stack_index, norm)
         flash = flash_impl(ctx.options.prefill_attn, seq, cache is not None)
-        if ctx.options.attn_impl == "naive":
-            out, entries = self._naive(q[..., :self.nope_dim], q_pe, latent, k_pe, ctx, cache, layer, flash,
-                                       stack_index)
+        if self._decodes_in_kernels(q, ctx, cache):
+            out, entries = self._decode_in_three_launches(q, q_pe, kv, ctx, cache, layer, stack_index)
+        elif ctx.options.attn_impl == "naive":
+            out, entries = self._naive(q[..., :self.nope_dim], q_pe, *self._latent_and_rotary_key(kv, ctx, stack_index),
+                                       ctx, cache, layer, flash, stack_index)
         else:
-            out, entries = self._absorb(q, q_pe, latent, k_pe, ctx, cache, layer, flash, stack_index)
+            out, entries = self._absorb(q, q_pe, *self._latent_and_rotary_key(kv, ctx, stack_index), ctx, cache,
+                                        layer, flash, stack_index)
         (y,) = project([self.wo], out.reshape(batch, seq, -1), reduce=ctx.layout.axes("heads"), layer=stack_index,
                        **ctx.gemm)
         return y, entries
 
     def _project(self, x: jnp.ndarray, ctx: StepContext, stack_index=None, norm: RMSNorm | None = None):
-        """The query (B, S, H, nope + rope; its nope half is q_nope), its rotated rope half (B, S, H, rope),
-        the normed latent (B, S, C) and the rotated shared rotary key (B, S, rope) of the chunk (x normed
-        by `norm` first)."""
+        """The query (B, S, H, nope + rope; its nope half is q_nope), its rotated rope half (B, S, H, rope)
+        and wkv_a's output (B, S, C + rope) of the chunk (x normed by `norm` first)."""
         batch, seq, _ = x.shape
         gemm = dict(ctx.gemm, layer=stack_index)
         if hasattr(self, "wq"):
@@ -123,7 +127,7 @@ class MLA(nnx.Module):
             (q,) = project([self.wq_b], q_a, norm=self.q_norm, norm_scope="q_norm", **gemm)
         q = q.reshape(batch, seq, -1, self.nope_dim + self.rope_dim)
         q_pe = apply_rotary(q[..., self.nope_dim:], ctx.cos, ctx.sin, self.rope_interleave)
-        return (q, q_pe, *self._latent_and_rotary_key(kv, ctx, stack_index))
+        return q, q_pe, kv
 
     def _latent_and_rotary_key(self, kv, ctx: StepContext, stack_index):
         """wkv_a's output (B, S, C + rope) split: the normed latent, read in place, and the rotated shared
@@ -162,8 +166,6 @@ class MLA(nnx.Module):
         no score buffer)."""
         heads, dtype = q.shape[2], q.dtype
         kernel = decode_kernel(ctx.options.decode_attn) and q.shape[1] == 1 and cache is not None
-        if kernel and not ctx.kv_start and self._absorbs_in_kernels(dtype):
-            return self._decode_in_three_launches(q, q_pe, latent, k_pe, ctx, cache, layer, stack_index)
         q_nope = q[..., :self.nope_dim]
         wkv_b = layer_of(self.wkv_b, stack_index).dequantized(dtype).reshape(heads, self.nope_dim + self.v_dim,
                                                                              self.kv_lora_rank)
@@ -191,6 +193,12 @@ class MLA(nnx.Module):
             out_latent = _einsum("bsht,btc->bshc", probs, latents).astype(dtype)
         return _einsum("bshc,hdc->bshd", out_latent, w_v).astype(dtype), entries
 
+    def _decodes_in_kernels(self, q, ctx: StepContext, cache) -> bool:
+        """Whether this step's attention is `_decode_in_three_launches`: single-token steps over a cache
+        from position 0, the latent cache, the decode kernel chosen, wkv_b's absorptions in kernels."""
+        return (ctx.options.attn_impl != "naive" and decode_kernel(ctx.options.decode_attn) and q.shape[1] == 1
+                and cache is not None and not ctx.kv_start and self._absorbs_in_kernels(q.dtype))
+
     def _absorbs_in_kernels(self, dtype) -> bool:
         """Whether single-token steps run wkv_b's absorptions in Pallas kernels beside the decode
         attention (`_decode_in_three_launches`): a key half of power-of-two width (a Triton tile) and
@@ -198,24 +206,29 @@ class MLA(nnx.Module):
         return (self.nope_dim >= 16 and not self.nope_dim & (self.nope_dim - 1)
                 and (self.wkv_b.scale is not None or self.wkv_b.weight.dtype == dtype))
 
-    def _decode_in_three_launches(self, q, q_pe, latent, k_pe, ctx, cache, layer, stack_index):
+    def _decode_in_three_launches(self, q, q_pe, kv, ctx, cache, layer, stack_index):
         """Absorbed single-token attention as three kernels: the query's absorption into the latent
         space, the attention over the cache read in place (split over its positions), then the splits'
         merge with the new entry and the output's projection through wkv_b's value half. The weights are
         read from their layer stack in place, fp8 ones dequantized tile by tile in the kernels where their
-        blocks align (else dequantized first). The query's nope half is read from the whole query in place,
-        and the first kernel rotates its rope half (`q_pe`, XLA's rotary, is then unused)."""
+        blocks align (else dequantized first). The query's nope half is read from the whole query in place;
+        the first kernel also rotates its rope half (`q_pe`, XLA's rotary, is then unused) and, with the
+        weights read from their stacks, norms the latent and rotates the shared key (no launch of their own)."""
         wkv_b, index, scale = self.wkv_b.weight[...], stack_index, None
         if self.wkv_b.scale is not None and fp8_wkv_b_aligned(self.nope_dim, self.v_dim, self.kv_lora_rank):
             scale = self.wkv_b.scale[...]
         elif self.wkv_b.scale is not None:
             wkv_b, index = layer_of(self.wkv_b, stack_index).dequantized(q.dtype), None
-        q_pe = q_pe[:, 0]
-        if self.rope_dim >= 32 and not self.rope_dim & (self.rope_dim - 1):  # the query's rotary in that kernel too
-            q_latent, q_pe = mla_absorb_query(q[:, 0], wkv_b, index, wkv_b_scale=scale, nope=self.nope_dim,
-                                              rope=(ctx.cos[:, 0], ctx.sin[:, 0], self.rope_interleave))
+        absorb = functools.partial(mla_absorb_query, q[:, 0], wkv_b, index, wkv_b_scale=scale, nope=self.nope_dim)
+        rope, rank = (ctx.cos[:, 0], ctx.sin[:, 0], self.rope_interleave), self.kv_lora_rank
+        if not (self.rope_dim >= 32 and not self.rope_dim & (self.rope_dim - 1)):  # no Triton tile of rotary columns
+            (latent, k_pe), q_pe, q_latent = self._latent_and_rotary_key(kv, ctx, stack_index), q_pe[:, 0], absorb()
+        elif index is None or self.kv_norm.weight.ndim != 2 or rank < 16 or rank & (rank - 1):
+            (latent, k_pe), (q_latent, q_pe) = self._latent_and_rotary_key(kv, ctx, stack_index), absorb(rope=rope)
         else:
-            q_latent = mla_absorb_query(q[:, 0], wkv_b, index, wkv_b_scale=scale, nope=self.nope_dim)
+            q_latent, q_pe, latent, k_pe = absorb(rope=rope, latent_norm=(kv[:, 0], self.kv_norm.weight[...],
+                                                                          self.kv_norm.eps))
+            latent, k_pe = latent[:, None], k_pe[:, None]
         splits = mla_decode_splits(q_latent, q_pe, cache["kv"], cache["pe"], layer, ctx.positions[:, 0],
                                    kv_len=ctx.kv_len, scale=self.softmax_scale)
         out = mla_decode_output(*splits, q_latent, q_pe, latent[:, 0], k_pe[:, 0], wkv_b, index,
