@@ -240,11 +240,16 @@ UNEQUAL = (FORWARD_LEN, 63, 64, 257)
 TOP_K = 50
 
 
-@pytest.fixture(scope="module", params=[1, 4], ids=["1dev", "4dev"])
-def chunk_pair(request):
-    """The tiny model with max_seq_len 512, prefilling in one step and in chunks of 64 (the same weights)."""
-    whole = dsv3_jax.load(TINY, compute_dtype="float32", max_batch_size=4, max_seq_len=512,
-                          num_devices=request.param)
+@pytest.fixture(scope="module")
+def chunk_pair():
+    """The tiny model with max_seq_len 512, prefilling in one step and in chunks of 64 (the same weights).
+    One device: the chunks are cut on the host (`prefill_chunks`, `Model._prefill_chunks`) and merged
+    outside the model's shard_map, whatever the mesh. On 4 devices prefill_chunk=64 runs end to end in
+    test_mtp.py::test_greedy_output_is_identical_with_mtp_and_chunked_prefill[4dev] (the main model's and
+    the MTP module's chunks, greedy and sampled, the chunk that redoes part of the one before), and cached
+    multi-token steps from nonzero positions in test_prefill_attention.py::test_flash_prefill_chunks_match_hf
+    [absorb-4] (against HF)."""
+    whole = dsv3_jax.load(TINY, compute_dtype="float32", max_batch_size=4, max_seq_len=512)
     return whole, chunked_twin(whole)
 
 
