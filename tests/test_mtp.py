@@ -1,6 +1,8 @@
 """Multi-token prediction: the MTP module against Hugging Face's block (float32 torch) and against an
-independent float64 numpy statement of the MTP module's math (DeepSeek-V3 technical report §2.2) (both loaded from an HF directory), greedy speculative decoding identical to plain decoding (1 and 4 devices, unequal
-prompts, budgets cut by max_seq_len), and the sampled distribution equal to the main model's."""
+independent float64 numpy statement of the MTP module's math (DeepSeek-V3 technical report §2.2) (both
+loaded from an HF directory), the converters keeping the MTP layer (bit for bit), greedy speculative
+decoding identical to plain decoding (1 and 4 devices, unequal prompts, budgets cut by max_seq_len,
+chunked prefill), and the sampled distribution equal to the main model's."""
 import functools
 import json
 import warnings
@@ -288,7 +290,8 @@ def test_greedy_output_is_identical_with_mtp(spec_model):
     rng = np.random.default_rng(0)
     total = dict(drafts=0, accepted=0)
     cases = [(list(SPEC_PROMPT_LENGTHS), 21, -1),  # unequal prompts, whole budgets (total_len 150)
-             ([142, 130, 146, 132], 20, -1),  # budgets cut by max_seq_len = 150: 8, 20, 4, 18 (and 2-token steps at the end)
+             # budgets cut by max_seq_len = 150: 8, 20, 4, 18 (and 2-token steps at the end)
+             ([142, 130, 146, 132], 20, -1),
              ([122, 113, 109, 149], 30, 5)]  # eos; the last prompt one short of max_seq_len (a budget of 1)
     for lengths, new, eos in cases:
         prompts = [rng.integers(0, 8, n).tolist() for n in lengths]
@@ -342,46 +345,33 @@ def test_sampled_tokens_follow_the_main_model(sampling_model, top_k, top_p):
 
 
 # ------------------------------------------------------------------ the MTP layer through the converters
-def mtp_outputs(model) -> dict:
-    """What a converted model must reproduce: the MTP module's logits and greedy MTP completions."""
+def assert_same_mtp_model(expected, other):
+    """`other` (a converted checkpoint) is `expected` (the HF directory's model on as many devices): the
+    same step parts (graphdef, args, mesh, options, layout), on which every step builder is memoized, so
+    it runs the same compiled programs (its generate, greedy or MTP, is `expected`'s), and every weight,
+    the MTP layer's included, bit for bit in the same split; its MTP module's logits then equal bitwise."""
+    assert other.has_mtp and other.parts == expected.parts
+    keys = lambda model: [(jax.tree_util.keystr(path), leaf) for path, leaf in  # noqa: E731
+                          jax.tree_util.tree_flatten_with_path(model.state)[0]]
+    want, got = keys(expected), keys(other)
+    assert [name for name, _ in got] == [name for name, _ in want]
+    assert any("mtp" in name and "eh_proj" in name for name, _ in want)
+    for (name, a), (_, b) in zip(want, got):
+        assert b.dtype == a.dtype and b.sharding == a.sharding, name
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
     tokens = np.random.default_rng(3).integers(0, 64, (2, 12))
-    stats = {}
-    completions = model.generate([[5, 9, 33, 2], [17]], 12, eos_id=-1, temperature=0.0, mtp=True, stats=stats)
-    assert stats["drafts"] > 0
-    return dict(logits=our_mtp_logits(model, tokens), completions=completions)
+    np.testing.assert_array_equal(our_mtp_logits(other, tokens), our_mtp_logits(expected, tokens))
 
 
-def reference_outputs(model) -> dict:
-    """mtp_outputs of the model loaded from the HF directory, whose MTP completions are also its plain ones."""
-    outputs = mtp_outputs(model)
-    assert outputs["completions"] == model.generate([[5, 9, 33, 2], [17]], 12, eos_id=-1, temperature=0.0)
-    return outputs
-
-
-def assert_same_mtp_model(expected: dict, other):
-    got = mtp_outputs(other)
-    np.testing.assert_array_equal(got["logits"], expected["logits"])
-    assert got["completions"] == expected["completions"]
-
-
-@pytest.fixture(scope="module")
-def hf_mtp_outputs(hf_mtp_model):
-    """reference_outputs of the HF directory's model on one device (made once for the module)."""
-    return reference_outputs(hf_mtp_model(1))
-
-
-def test_orbax_conversion_keeps_the_mtp_layer(hf_mtp_dir, hf_mtp_outputs, tmp_path):
+def test_orbax_conversion_keeps_the_mtp_layer(hf_mtp_dir, hf_mtp_model, tmp_path):
     from dsv3_jax.convert.to_orbax import to_orbax
 
     to_orbax(hf_mtp_dir[2], tmp_path / "orbax")
-    converted = load_with_mtp(tmp_path / "orbax", 1)
-    assert converted.has_mtp
-    assert_same_mtp_model(hf_mtp_outputs, converted)
+    assert_same_mtp_model(hf_mtp_model(1), load_with_mtp(tmp_path / "orbax", 1))
 
 
 @pytest.mark.parametrize("ranks", [1, 4])
-def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_model, hf_mtp_outputs, bare_dir, tmp_path,
-                                                         ranks):
+def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_model, bare_dir, tmp_path, ranks):
     from dsv3_jax.convert.convert import main as convert_main
 
     directory = hf_mtp_dir[2]
@@ -400,11 +390,7 @@ def test_per_rank_files_keep_the_mtp_layer_with_keep_mtp(hf_mtp_dir, hf_mtp_mode
         with pytest.raises(ToolError, match="holds no MTP layer"):
             convert_main(["--hf-ckpt-path", str(bare_dir), "--save-path", str(tmp_path / "x"), "--n-experts", "8",
                           "--model-parallel", "1", "--keep-mtp"])
-    if ranks == 1:
-        expected = hf_mtp_outputs
-    else:  # bitwise: against the HF directory's model on as many devices
-        expected = reference_outputs(hf_mtp_model(ranks))
-    assert_same_mtp_model(expected, converted)
+    assert_same_mtp_model(hf_mtp_model(ranks), converted)  # bitwise: the HF directory's model on as many devices
 
 
 # ------------------------------------------------------------------ chunked prefill
