@@ -27,7 +27,7 @@ _NEG = -1e30  # finite "minus infinity": an empty split must not produce inf - i
 # Default split-K: enough programs for this many per SM. Over a long cache two 4-warp programs an SM keep
 # more loads in flight than one and read it faster (benchmarks/NOTES.md, "thresholds").
 PROGRAMS_PER_SM = 2
-# mla_decode_output merges this many splits a loop step (a loop of one split a step waited on each load in turn)
+# mla_decode_output merges this many splits a loop step, their loads issued together, where there are more
 MERGE_GROUP = 8
 
 
@@ -481,15 +481,20 @@ def _merged_latent(acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, *, h, 
     own_weight = jnp.exp(own - top)
     total = jnp.sum(plgpu.load(l_ref.at[bs, pl.ds(0, splits_padded), h], mask=split_ok, other=0) * weights, axis=1)
 
+    def add_split(split, ok, latent):
+        weight = jnp.exp(plgpu.load(m_ref.at[bs, split, h], mask=ok, other=_NEG) - top)
+        return latent + plgpu.load(acc_ref.at[bs, split, h, :], mask=ok[:, None], other=0) * weight[:, None]
+
     def add_group(g, latent):  # MERGE_GROUP splits a step, their loads in flight together
         for i in range(MERGE_GROUP):
-            split = g * MERGE_GROUP + i
-            ok = row_ok & (split < splits)
-            weight = jnp.exp(plgpu.load(m_ref.at[bs, split, h], mask=ok, other=_NEG) - top)
-            latent = latent + plgpu.load(acc_ref.at[bs, split, h, :], mask=ok[:, None], other=0) * weight[:, None]
+            latent = add_split(g * MERGE_GROUP + i, row_ok & (g * MERGE_GROUP + i < splits), latent)
         return latent
 
-    latent = jax.lax.fori_loop(0, cdiv(splits, MERGE_GROUP), add_group, own_weight[:, None] * new_kv)
+    latent = own_weight[:, None] * new_kv
+    if splits <= MERGE_GROUP:  # a single group of splits a loop step ran ~500x slower (V3's heads, 8 rows, 5 splits)
+        latent = jax.lax.fori_loop(0, splits, lambda split, x: add_split(split, row_ok, x), latent)
+    else:
+        latent = jax.lax.fori_loop(0, cdiv(splits, MERGE_GROUP), add_group, latent)
     return latent / (total + own_weight)[:, None]
 
 
