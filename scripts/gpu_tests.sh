@@ -24,6 +24,7 @@ run_one() {  # a test file and its shard ("i/n", or "" for the whole file)
   name=$(basename "$1" .py)${2:+.${2%/*}}
   DSV3_TEST_SHARD=$2 "$python" -m pytest -q -p no:cacheprovider "${args[@]}" "$1" > "$logs/$name.log" 2>&1
   echo $? > "$logs/$name.rc"
+  printf 'done %-35s %s\n' "$name" "$(tail -1 "$logs/$name.log")"  # as it ends: a run cut short still says these
 }
 
 start=$(date +%s)
