@@ -1,8 +1,9 @@
-"""Every layout (`dsv3_jax.sharding.PRESETS`) on 4 devices, and on a 2x2 mesh, computes what
-the 1-device model computes (float32): the logits of a prefill and of decode steps whose rows sit
-at different positions (3 rows: the batch split pads them), and greedy completions of prompts of
-unequal lengths. Also the rules the presets make, the collectives each asks for per layer, and
-the errors of a bad layout."""
+"""Every layout (`dsv3_jax.sharding.PRESETS`) on 4 devices, and on a 2x2 mesh (tp, dp-attn-tp and
+rep-attn, which make there every split that dp-attn and ep-only make), computes what the 1-device
+model computes (float32): the logits of a prefill and of decode steps whose rows sit at different
+positions (3 rows: the batch split pads them), and greedy completions of prompts of unequal
+lengths. Also the rules the presets make, the collectives each asks for per layer, and the errors
+of a bad layout."""
 import jax
 import numpy as np
 import pytest
@@ -125,7 +126,26 @@ def test_presets_rules():
     assert dp.padded_batch(3) == 4 and list(dp.row_order(4)) == [0, 2, 1, 3]
 
 
-@pytest.mark.parametrize("layout", list(PRESETS))
+# On the 2x2 mesh dp-attn and ep-only split only the rows and the routed experts, as dp-attn-tp and rep-attn
+# split them there (test_two_dimensional_cases_cover_every_layout); their other weights are replicated, computed
+# on each rank's own rows with no collective, as on 4 devices in a row (test_layout_equals_one_device).
+TWO_DIMENSIONAL = ("tp", "dp-attn-tp", "rep-attn")
+COVERED_BY = {"dp-attn": "dp-attn-tp", "ep-only": "rep-attn"}
+
+
+def test_two_dimensional_cases_cover_every_layout():
+    """Each layout left out of test_two_dimensional_mesh splits the rows and the routed experts on the 2x2 mesh
+    as one it runs does (the same axes, the same reduction) and nothing else."""
+    two = {name: Layout.preset(name, ("data", "model"), (2, 2)) for name in PRESETS}
+    assert set(TWO_DIMENSIONAL) | set(COVERED_BY) == set(PRESETS) and set(COVERED_BY.values()) <= set(TWO_DIMENSIONAL)
+    for covered, by in COVERED_BY.items():
+        for axis in ("batch", "experts", "heads"):
+            assert two[covered].axes(axis) == two[by].axes(axis), (covered, axis)
+        assert two[covered].reduction("experts") == two[by].reduction("experts"), covered
+        assert all(axes == () for axis, axes in two[covered].rules if axis not in ("batch", "experts")), covered
+
+
+@pytest.mark.parametrize("layout", TWO_DIMENSIONAL)
 def test_two_dimensional_mesh(v3, one_device, layout):
     """A 2x2 mesh ("data", "model") with no module edited: the data axis splits the rows."""
     model = load(v3, mesh=make_mesh(4, data=2), layout=layout)
