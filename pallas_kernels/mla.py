@@ -491,7 +491,7 @@ def _merged_latent(acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, *, h, 
         return latent
 
     latent = own_weight[:, None] * new_kv
-    if splits <= MERGE_GROUP:  # a single group of splits a loop step ran ~500x slower (V3's heads, 8 rows, 5 splits)
+    if splits <= MERGE_GROUP:  # one split a step: a group loop of a single step measured far slower (benchmarks/NOTES)
         latent = jax.lax.fori_loop(0, splits, lambda split, x: add_split(split, row_ok, x), latent)
     else:
         latent = jax.lax.fori_loop(0, cdiv(splits, MERGE_GROUP), add_group, latent)
