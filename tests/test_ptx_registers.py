@@ -1,0 +1,118 @@
+"""The MLA decode kernels compiled for an H200 keep their values in registers, checked on a CPU.
+
+A Triton kernel whose values do not fit its registers spills them to local memory, and a spilling decode
+kernel can run orders of magnitude slower than its bytes say (mla_decode_output once hoisted a whole group
+of split loads out of a single-step loop: 255 registers, 1,872 bytes spilled a thread, 2 ms a launch on an
+H200 against ~10 µs). Neither the interpret mode nor the lowering test sees registers; here each kernel is
+lowered for sm_90 as tests/test_gpu_lowering.py does, its Triton IR compiled to PTX by the `triton` package
+and assembled by the ptxas it ships, whose report must show no spill stores. Nothing runs on a GPU.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.pallas.triton import lowering as triton_lowering
+
+from pallas_kernels.mla import mla_absorb_query, mla_decode_output, mla_decode_splits
+from test_gpu_lowering import lowering_as_on_an_h200
+
+triton = pytest.importorskip("triton")
+RANK, NOPE, V, ROPE, LAYERS = 512, 128, 128, 64, 3  # the MLA shapes of V2-Lite and V3
+F = jnp.bfloat16
+
+
+def spec(shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def triton_modules(fn, *args) -> list:
+    """The Triton IR of every Pallas kernel that fn(*args) launches, lowered for an H200."""
+    modules, lower = [], triton_lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **k):
+        result = lower(*a, **k)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    with lowering_as_on_an_h200(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", capture)
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return modules
+
+
+@pytest.fixture(autouse=True)
+def triton_cache_in_tmp(tmp_path, monkeypatch):
+    """Triton's compile cache for this test only (nothing written to the home directory)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+
+
+def ptxas_report(ir: str, tmp_path, num_warps: int = 4) -> str:
+    """ptxas -v's lines for one Triton module compiled for sm_90a."""
+    from triton.backends.compiler import GPUTarget
+
+    path = tmp_path / "kernel.ttir"
+    path.write_text(ir)
+    kernel = triton.compile(str(path), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                                       num_stages=1))
+    (tmp_path / "kernel.ptx").write_text(kernel.asm["ptx"])
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    done = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(tmp_path / "kernel.ptx"), "-o", os.devnull],
+                          capture_output=True, text=True, check=True)
+    return done.stderr
+
+
+def spilled_bytes(report: str) -> int:
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
+
+
+def decode_operands(batch: int, heads: int, splits: int, fp8: bool) -> tuple:
+    rows = heads * (NOPE + V)
+    wkv_b = spec((LAYERS, rows, RANK), jnp.float8_e4m3fn if fp8 else F)
+    scale = spec((LAYERS, rows // 128, RANK // 128)) if fp8 else None
+    return (spec((batch, splits, heads, RANK)), spec((batch, splits, heads)), spec((batch, splits, heads)),
+            spec((batch, heads, RANK), F), spec((batch, heads, ROPE), F), spec((batch, RANK), F),
+            spec((batch, ROPE), F), wkv_b, scale)
+
+
+# (batch, heads, splits, fp8): V2-Lite's 16 heads and V3's 128 at decode batches, splits of one merge group
+# and of several (the V3 cut's b=8 at a 608-position window has 5, V2-Lite's b=1 and b=8 have 10). Batches
+# of more than 16 rows (32- and 64-row blocks) still spill in the output kernel (benchmarks/NOTES.md)
+OUTPUT_CASES = [(1, 16, 10, False), (8, 16, 10, False), (8, 128, 5, True), (1, 128, 10, True), (16, 16, 3, False)]
+
+
+@pytest.mark.parametrize("batch, heads, splits, fp8", OUTPUT_CASES)
+def test_mla_decode_output_does_not_spill(batch, heads, splits, fp8, tmp_path):
+    def output(acc, m, l, q, qpe, kv, pe, wkv_b, scale):
+        return mla_decode_output(acc, m, l, q, qpe, kv, pe, wkv_b, jnp.int32(1), scale=0.1, v_dim=V,
+                                 wkv_b_scale=scale)
+
+    (ir,) = triton_modules(output, *decode_operands(batch, heads, splits, fp8))
+    report = ptxas_report(ir, tmp_path)
+    assert spilled_bytes(report) == 0, report
+
+
+@pytest.mark.parametrize("batch, heads, fp8", [(1, 16, False), (8, 128, True), (16, 16, False), (32, 16, False)])
+def test_mla_absorb_query_and_decode_do_not_spill(batch, heads, fp8, tmp_path):
+    """The query's absorption with the latent's norm and both rotaries, and the attention over the cache."""
+    acc, m, _, q_latent, q_pe, kv, pe, wkv_b, scale = decode_operands(batch, heads, 4, fp8)
+    angles = spec((batch, ROPE // 2))
+
+    def absorb_and_attend(q, wkv_b, scale, kv, weight, cos, sin, q_latent, q_pe, kv_cache, pe_cache, lengths):
+        absorbed = mla_absorb_query(q, wkv_b, jnp.int32(1), wkv_b_scale=scale, nope=NOPE, rope=(cos, sin, True),
+                                    latent_norm=(kv, weight, 1e-6))
+        return absorbed, mla_decode_splits(q_latent, q_pe, kv_cache, pe_cache, jnp.int32(1), lengths, kv_len=608,
+                                           scale=0.1)
+
+    irs = triton_modules(absorb_and_attend, spec((batch, heads, NOPE + ROPE), F), wkv_b, scale,
+                         spec((batch, RANK + ROPE), F), spec((LAYERS, RANK)), angles, angles, q_latent, q_pe,
+                         spec((LAYERS, batch, 640, RANK), F), spec((LAYERS, batch, 640, ROPE), F),
+                         spec((batch,), jnp.int32))
+    assert len(irs) == 2
+    for ir in irs:
+        report = ptxas_report(ir, tmp_path)
+        assert spilled_bytes(report) == 0, report
