@@ -21,6 +21,7 @@ from jax._src.pallas.triton import lowering as triton_lowering
 from pallas_kernels.mla import mla_absorb_query, mla_decode_output, mla_decode_splits
 from test_gpu_lowering import lowering_as_on_an_h200
 
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Pallas' Triton backend's own notice
 triton = pytest.importorskip("triton")
 RANK, NOPE, V, ROPE, LAYERS = 512, 128, 128, 64, 3  # the MLA shapes of V2-Lite and V3
 F = jnp.bfloat16
