@@ -402,7 +402,7 @@ def _query_kernel(layer_ref, q_ref, w_ref, *refs, batch, nope, per_head, rank, b
         def load(cs):
             return plgpu.load(kv_ref.at[bs, cs], mask=row_ok[:, None], other=0).astype(jnp.float32)
 
-        squares = functools.reduce(jnp.add, [jnp.sum(load(cs) * load(cs), axis=1) for cs in chunks])
+        squares = functools.reduce(jnp.add, [jnp.sum(jnp.square(load(cs)), axis=1) for cs in chunks])
         inv = jax.lax.rsqrt(squares / rank + eps)[:, None]
         for cs in chunks:
             normed = load(cs) * inv * plgpu.load(nw_ref.at[layer, cs]).astype(jnp.float32)[None, :]
