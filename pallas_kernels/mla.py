@@ -434,7 +434,8 @@ def mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, laye
 
 
 def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=None, *, scale: float, v_dim: int,
-                      wkv_b_scale=None, block_v: int = 16, num_warps: int = 4, num_stages: int = 1) -> jax.Array:
+                      wkv_b_scale=None, block_v: int = 16, block_b: int = 16, num_warps: int = 4,
+                      num_stages: int = 1) -> jax.Array:
     """The end of the absorbed decode attention in one launch: `mla_decode_splits`' partial softmaxes
     (acc, m, l) merged with the new entry's (scored from q_latent, q_pe, new_kv, new_pe as `mla_decode`
     does), the latent output rounded to q_latent's dtype and projected through wkv_b's value half:
@@ -442,12 +443,14 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
 
     wkv_b: (H (D + V), C) in q_latent's dtype, or a stack (L, H (D + V), C) with `layer`, read in place;
     an fp8 one with `wkv_b_scale`, dequantized tile by tile (as in `mla_absorb_query`).
-    One program per (head, V block, batch block); each merges its rows' splits itself.
+    One program per (head, V block, batch block of at most `block_b` rows); each merges its rows' splits
+    itself. A program holds its rows' (block_b, C) float32 latents: more than 16 rows spill registers.
     """
     batch, splits, heads, rank = acc.shape
     w = _wkv_b_stack(_OUTPUT, wkv_b, layer, wkv_b_scale, heads, wkv_b.shape[-2] // heads - v_dim, rank,
                      q_latent.dtype)
     _check_block(_OUTPUT, "block_v", block_v, None if w.scale is None else BLOCK)
+    _check_block(_OUTPUT, "block_b", block_b)
     if q_latent.shape != (batch, heads, rank) or m.shape != (batch, splits, heads):
         fail(_OUTPUT, f"acc {acc.shape}, m {m.shape}, q_latent {q_latent.shape} {q_latent.dtype} and wkv_b "
                       f"{w.stack.dtype} do not match")
@@ -455,7 +458,7 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
     if batch == 0 or interpret_in_shard_map(interpret, acc, q_latent, wkv_b):
         return mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer, scale=scale,
                                      v_dim=v_dim, wkv_b_scale=wkv_b_scale)
-    block_b = _batch_block(batch)
+    block_b = min(block_b, _batch_block(batch))
     per_head = w.stack.shape[1] // heads
     kernel = functools.partial(_output_kernel, batch=batch, splits=splits, value_row=per_head - v_dim,
                                per_head=per_head, v_dim=v_dim, scale=scale, block_b=block_b, block_v=block_v,

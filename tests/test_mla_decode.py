@@ -248,9 +248,11 @@ def test_absorption_argument_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, lengths", [(1, [1000]), (8, [0, 3, 77, 300, 511, 700, 1000, 1023])])
+@pytest.mark.parametrize("batch, lengths", [(1, [1000]), (8, [0, 3, 77, 300, 511, 700, 1000, 1023]),
+                                            (40, [(97 * b) % 1024 for b in range(40)])])
 def test_absorbed_decode_compiled_on_gpu(batch, lengths):
-    """V2-Lite's and V3's head shapes (D = V = 128, C = 512, rotary 64), bf16, default splits."""
+    """V2-Lite's and V3's head shapes (D = V = 128, C = 512, rotary 64), bf16, default splits; 40 rows: three
+    16-row blocks of the output kernel, the last partly filled."""
     test_absorbed_decode_in_three_launches(batch, 16, lengths, None, dtype=jnp.bfloat16, tol=2e-2, kv_len=1024,
                                            nope=128, v_dim=128, rank=512, rope=64)
 
