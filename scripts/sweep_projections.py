@@ -30,6 +30,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--config", required=True)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--weight-mb", type=float, default=400, help="bytes of each stack (sets its layers), in MB")
+    p.add_argument("--projections", default=None, help="comma-separated names to run (default: all of them)")
     p.add_argument("--repeats", type=int, default=5, help="jit calls traced per case")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
@@ -44,19 +45,22 @@ def projections(args: ModelArgs) -> dict[str, tuple[list[tuple[int, int]], bool]
             "mlp w2": ([(args.dim, args.inter_dim)], False)}
 
 
-def per_layer_us(run, layers: int, repeats: int) -> float:
-    """GPU time of every kernel of a jit of run(layer) over the layers, per layer."""
-    many = jax.jit(lambda: [run(jnp.int32(layer)) for layer in range(layers)])
-    jax.block_until_ready(many())
-    jax.block_until_ready(many())
-    events = gpu_events(lambda: [jax.block_until_ready(many()) for _ in range(repeats)])
+def per_layer_us(run, operands, layers: int, repeats: int) -> float:
+    """GPU time of every kernel of a jit of run(operands, layer) over the layers, per layer. The operands are the
+    jit's arguments: closed over, they would be constants XLA folds its own products of at compile time."""
+    many = jax.jit(lambda ops: [run(ops, jnp.int32(layer)) for layer in range(layers)])
+    jax.block_until_ready(many(operands))
+    jax.block_until_ready(many(operands))
+    events = gpu_events(lambda: [jax.block_until_ready(many(operands)) for _ in range(repeats)])
     return sum(e["dur"] for e in events if not e["name"].startswith("Memcpy")) / (layers * repeats)
 
 
-def sweep(args: ModelArgs, batch: int, weight_mb: float, repeats: int):
+def sweep(args: ModelArgs, batch: int, weight_mb: float, repeats: int, names: list[str] | None):
     """Yield one row a (projection, implementation)."""
     keys = iter(jax.random.split(jax.random.key(0), 64))
     for name, (shapes, normed) in projections(args).items():
+        if names is not None and name not in names:
+            continue
         layers = max(2, int(weight_mb * 1e6 // (2 * sum(n * k for n, k in shapes))))
         k = shapes[0][1]
         ws = [(jax.random.normal(next(keys), (layers, n, k), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
@@ -66,7 +70,10 @@ def sweep(args: ModelArgs, batch: int, weight_mb: float, repeats: int):
         floor = 2 * sum(n * k for n, _ in shapes) / HBM_BYTES_PER_US
         row = dict(batch=batch, projection=name, layers=layers, floor_us=floor)
 
-        def xla(layer):
+        operands = (x, ws, norm)
+
+        def xla(ops, layer):
+            x, ws, norm = ops
             rows = x
             if norm is not None:
                 f = x.astype(jnp.float32)
@@ -74,11 +81,13 @@ def sweep(args: ModelArgs, batch: int, weight_mb: float, repeats: int):
                 rows = (f * inv * norm[layer]).astype(x.dtype)
             return [jnp.dot(rows, w[layer].T, preferred_element_type=jnp.float32).astype(x.dtype) for w in ws]
 
-        yield dict(row, impl="xla", us=per_layer_us(xla, layers, repeats))
+        yield dict(row, impl="xla", us=per_layer_us(xla, operands, layers, repeats))
         for tiles in [tiles_for(batch)] + [t for t in TILINGS if t != tiles_for(batch)]:
-            run = lambda layer, t=tiles: norm_project(x, ws, norm=norm, layer=layer, tiles=t)  # noqa: E731
+            def run(ops, layer, t=tiles):
+                x, ws, norm = ops
+                return norm_project(x, ws, norm=norm, layer=layer, tiles=t)
             try:
-                us = per_layer_us(run, layers, repeats)
+                us = per_layer_us(run, operands, layers, repeats)
             except Exception as e:  # noqa: BLE001 -- a tiling Triton or the checks refuse is a result of the sweep
                 us = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
             yield dict(row, impl="norm_project", tiles=tiles._asdict(), us=us)
@@ -87,9 +96,13 @@ def sweep(args: ModelArgs, batch: int, weight_mb: float, repeats: int):
 def main() -> None:
     o = parse_args()
     args = ModelArgs.from_reference_json(o.config)
+    names = None if o.projections is None else o.projections.split(",")
+    unknown = sorted(set(names or ()) - set(projections(args)))
+    if unknown:
+        raise SystemExit(f"unknown projection {unknown[0]!r}; the projections are {', '.join(projections(args))}")
     rows = []
     for batch in (int(b) for b in o.batches.split(",")):
-        for row in sweep(args, batch, o.weight_mb, o.repeats):
+        for row in sweep(args, batch, o.weight_mb, o.repeats, names):
             rows.append(row)
             tiles = " ".join(f"{k}={v}" for k, v in row.get("tiles", {}).items())
             us = f"{row['us']:7.2f} us" if isinstance(row["us"], float) else row["us"]
