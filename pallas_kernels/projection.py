@@ -36,8 +36,8 @@ VECTOR_MAX_ROWS = 4
 
 class Tiles(NamedTuple):
     """A launch's tiling: output columns a program (a divisor of 128, so one row of block scales covers them), K
-    columns a step (capped by K's largest power-of-two factor; 128 for fp8 weights, one block scale a step) and
-    Triton's warps and pipeline stages a program."""
+    columns a step (at most K rounded up to a power of two; a K it does not divide ends in a masked step; 128 for
+    fp8 weights, one block scale a step) and Triton's warps and pipeline stages a program."""
     block_n: int
     block_k: int
     num_warps: int
@@ -145,17 +145,29 @@ class _Rows(NamedTuple):
 
     def load(self, t, row=None):
         """The rows at K step t (`row`: that row alone, as a vector), normed (rounded to x's dtype, as the model's
-        norm is) where there is a norm."""
-        ks = pl.ds(pl.multiple_of(t * self.block_k, self.block_k), self.block_k)
+        norm is) where there is a norm; columns past K (a last, partial step) read as zeros."""
+        ks, k_ok = k_step(t, self.block_k, self.x_ref.shape[1])
         if row is None:
-            a = plgpu.load(self.x_ref.at[self.rows, ks], mask=self.row_ok[:, None], other=0)
+            mask = self.row_ok[:, None] if k_ok is None else self.row_ok[:, None] & k_ok[None, :]
+            a = plgpu.load(self.x_ref.at[self.rows, ks], mask=mask, other=0)
         else:  # a traced index: Pallas' interpreter cannot index a ref by a Python int here
-            a = plgpu.load(self.x_ref.at[jnp.int32(row), ks])
+            a = plgpu.load(self.x_ref.at[jnp.int32(row), ks], **masked(k_ok))
         if self.inv is None:
             return a
-        w = plgpu.load(self.norm_ref.at[self.layer, ks]).astype(jnp.float32)
+        w = plgpu.load(self.norm_ref.at[self.layer, ks], **masked(k_ok)).astype(jnp.float32)
         inv = self.inv[:, None] if row is None else self.inv[row]
         return (a.astype(jnp.float32) * inv * w).astype(a.dtype)
+
+
+def k_step(t, block_k: int, k: int):
+    """K step t's columns and, where block_k does not divide K, their mask (None: the step is whole)."""
+    ks = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
+    return ks, None if k % block_k == 0 else t * block_k + jnp.arange(block_k) < k
+
+
+def masked(mask) -> dict:
+    """`plgpu.load`'s keywords for a load under `mask` (None: unmasked), zeros where it is False."""
+    return {} if mask is None else dict(mask=mask, other=0)
 
 
 def _kernel(layer_ref, x_ref, *refs, plan: Plan, m, eps, normed, fp8, quantize, interpret):
@@ -175,7 +187,7 @@ def _kernel(layer_ref, x_ref, *refs, plan: Plan, m, eps, normed, fp8, quantize, 
     for i in range(count):
         first, width = plan.firsts[i], plan.widths[i]
         block = functools.partial(_project_block, x, w_refs[i], s_refs[i], o_refs[i], width=width,
-                                  steps=x_ref.shape[1] // plan.block_k, quantize=quantize, interpret=interpret)
+                                  steps=cdiv(x_ref.shape[1], plan.block_k), quantize=quantize, interpret=interpret)
         mine = (p >= first) & (p < first + cdiv(width, plan.block_n))
         pl.when(mine)(lambda block=block, first=first: block(p - first))
 
@@ -183,19 +195,21 @@ def _kernel(layer_ref, x_ref, *refs, plan: Plan, m, eps, normed, fp8, quantize, 
 def _inverse_rms(x_ref, rows, row_ok, block_k: int, eps: float):
     """rsqrt(mean(x^2) + eps) per row (float32), from a first pass over the rows: (block_m,) for a slice of rows
     (with its mask `row_ok`), a tuple of scalars for a tuple of row numbers (Triton stacks no vectors into a tile)."""
+    k = x_ref.shape[1]
+
     def body(t, squares):
-        ks = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
+        ks, k_ok = k_step(t, block_k, k)
         if row_ok is not None:
-            a = plgpu.load(x_ref.at[rows, ks], mask=row_ok[:, None], other=0).astype(jnp.float32)
+            mask = row_ok[:, None] if k_ok is None else row_ok[:, None] & k_ok[None, :]
+            a = plgpu.load(x_ref.at[rows, ks], mask=mask, other=0).astype(jnp.float32)
             return squares + a * a
-        return tuple(sq + plgpu.load(x_ref.at[jnp.int32(row), ks]).astype(jnp.float32) ** 2
+        return tuple(sq + plgpu.load(x_ref.at[jnp.int32(row), ks], **masked(k_ok)).astype(jnp.float32) ** 2
                      for row, sq in zip(rows, squares))
 
-    k = x_ref.shape[1]
     if row_ok is not None:
-        squares = jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((row_ok.shape[0], block_k), jnp.float32))
+        squares = jax.lax.fori_loop(0, cdiv(k, block_k), body, jnp.zeros((row_ok.shape[0], block_k), jnp.float32))
         return jax.lax.rsqrt(jnp.sum(squares, axis=1) / k + eps)
-    squares = jax.lax.fori_loop(0, k // block_k, body, tuple(jnp.zeros((block_k,), jnp.float32) for _ in rows))
+    squares = jax.lax.fori_loop(0, cdiv(k, block_k), body, tuple(jnp.zeros((block_k,), jnp.float32) for _ in rows))
     return tuple(jax.lax.rsqrt(jnp.sum(sq) / k + eps) for sq in squares)
 
 
@@ -208,9 +222,10 @@ def _project_block(x: _Rows, w_ref, s_ref, o_ref, j, *, width, steps, quantize, 
 
     def weight_tile(t):
         """The tile at K step t, and its block scale (None for weights in x's dtype)."""
-        ks = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
-        if s_ref is None:  # fp8 tiles are always whole (an fp8 weight's N is a multiple of block_n)
-            return plgpu.load(w_ref.at[x.layer, cols, ks], mask=col_ok[:, None], other=0), None
+        ks, k_ok = k_step(t, block_k, w_ref.shape[-1])
+        if s_ref is None:  # fp8 tiles are always whole (an fp8 weight's N is a multiple of block_n, K of 128)
+            mask = col_ok[:, None] if k_ok is None else col_ok[:, None] & k_ok[None, :]
+            return plgpu.load(w_ref.at[x.layer, cols, ks], mask=mask, other=0), None
         return plgpu.load(w_ref.at[x.layer, cols, ks]), s_ref[x.layer, scale_row, t * block_k // BLOCK]
 
     if x.row_ok is not None:
@@ -280,7 +295,7 @@ def _check(x, weights, scales, norm, layer, quantize, tiles: Tiles) -> Plan:
         _check_weight(i, w, None if scales is None else scales[i], k, stacked, x.dtype)
     if norm is not None and (norm.shape[-1:] != (k,) or norm.ndim != 1 + stacked):
         fail(_FN, f"the norm weight has shape {norm.shape}, expected " + (f"(L, {k})" if stacked else f"({k},)"))
-    block_k = BLOCK if fp8 else min(k & -k, tiles.block_k)
+    block_k = BLOCK if fp8 else min(1 << max(0, (k - 1).bit_length()), tiles.block_k)
     if block_k < 16 or tiles.block_k & (tiles.block_k - 1):
         fail(_FN, f"K={k} and block_k={tiles.block_k} leave no power-of-two step of at least 16 (a Triton tile)")
     if tiles.block_n < 16 or BLOCK % tiles.block_n or FP8_N_MULTIPLE % tiles.block_n:

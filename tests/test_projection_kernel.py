@@ -6,7 +6,8 @@ Cases: MLA's query and latent projections after attn_norm, bf16, two weights of 
 (another layer's weights differ by O(1)), 40 columns leaving a partial column tile; float32 rows without a norm
 (the output projection); fp8 weights dequantized tile by tile (gemm_impl "bf16") and multiplied in fp8 after the
 normed rows are quantized as act_quant does (gemm_impl "fp8", both scale formats); each kind both as vector products
-(a few rows) and as a dot (more), each over several K steps (a step left out moves the result by ~25-50 %). Weight
+(a few rows) and as a dot (more), each over several K steps (a step left out moves the result by ~25-50 %), and
+plain weights whose K the step does not divide (a last, masked step). Weight
 scales are powers of two from 1/16 to 4 times a random factor, so a tile given a neighbouring block's scale is off
 by 2x or more. bf16 results are held to about one bf16 rounding of the float64
 value (relative L2 < 4e-3), float32 ones to 1e-6.
@@ -30,7 +31,10 @@ CASES = [("attn_norm, wq and wkv_a, bf16, 1 row", 1, 2048, (96, 40), jnp.bfloat1
          ("fp8 weights dequantized, 6 rows", 6, 384, (128, 96), jnp.bfloat16, "dequantize", True),
          ("fp8 products, e4m3 scales, 2 rows", 2, 384, (128, 96), jnp.bfloat16, "e4m3", True),
          ("fp8 products, e4m3 scales, 9 rows", 9, 384, (128, 96), jnp.bfloat16, "e4m3", True),
-         ("fp8 products, ue8m0 scales, 8 rows", 8, 256, (64,), jnp.bfloat16, "ue8m0", False)]
+         ("fp8 products, ue8m0 scales, 8 rows", 8, 256, (64,), jnp.bfloat16, "ue8m0", False),
+         # K not a multiple of the step (V2-Lite's dense w2 has K = 10944): whole steps, then a masked one
+         ("dense w2 form, K 1216, bf16, 1 row", 1, 1216, (64,), jnp.bfloat16, "plain", False),
+         ("K 704 after a norm, bf16, 6 rows", 6, 704, (48,), jnp.bfloat16, "plain", True)]
 
 
 def make_inputs(case, rng):
@@ -134,10 +138,15 @@ def test_bad_arguments_say_what_is_wrong():
 
 
 # ------------------------------------------------------------------ in the model
-# (what, q_lora_rank, rows, launches a layer stack): wq_a + wkv_a (or wq + wkv_a), wq_b, and wo but where a few rows
-# meet it (XLA's GEMV is faster there); bf16 weights (the model keeps fp8 weights on their XLA path)
-MODEL_CASES = [("V3 form, 6 rows (a dot)", 256, 6, 3),
-               ("V2-Lite form (no q_lora), 2 rows (vector products)", 0, 2, 1)]
+# (what, q_lora_rank, rows, launches a layer stack): wq_a + wkv_a (or wq + wkv_a), wq_b, and, without a norm, wo and the
+# MLP's w1 + w3 and w2 (the dense layers' MLP, the MoE layers' shared experts, which run apart at 6 rows here) as dots
+# but not where a few rows meet them (their weights are small: XLA's GEMV is faster there); bf16 weights (the model
+# keeps fp8 weights on their XLA path)
+MODEL_CASES = [("V3 form, 6 rows (a dot)", 256, 6, 5),
+               ("V2-Lite form (no q_lora), 2 rows (vector products)", 0, 2, 1),
+               # every weight counted big (BIG_PROJECTION_BYTES 0), as V2-Lite's dense MLP is: wq + wkv_a, wo, and the
+               # MLPs' w1 + w3 and w2 as vector products
+               ("V2-Lite form, 2 rows, every projection big", 0, 2, 4)]
 
 
 @pytest.mark.parametrize("case", MODEL_CASES, ids=[c[0] for c in MODEL_CASES])
@@ -154,7 +163,7 @@ def test_the_models_projections_match_its_xla_path(monkeypatch, case):
     from kernel_checks import KERNEL_MODULES, kernel_twins
     from test_auto_paths_gpu import small_v3, step_inputs, variant, with_random_norms
 
-    _, q_lora, rows, launches = case
+    what, q_lora, rows, launches = case
     # two MoE layers: their stack's launches read layer 0 and then layer 1 of it; narrower than small_v3 (compiles
     # faster), every projection still over several of the kernel's column programs and K steps
     args = small_v3("bf16").replace(q_lora_rank=q_lora, n_layers=3, dim=512, inter_dim=1024, vocab_size=1024,
@@ -174,6 +183,8 @@ def test_the_models_projections_match_its_xla_path(monkeypatch, case):
         with monkeypatch.context() as patch:
             for module in (block, layers):
                 patch.setattr(module, "projection_kernel_applies", lambda rows, fp8_weights: not fp8_weights)
+            if "big" in what:
+                patch.setattr(layers, "BIG_PROJECTION_BYTES", 0)
             got, jaxpr = run()
     assert jaxpr.count("name=norm_project") == 2 * launches  # the dense layers' stack and the MoE layers'
     assert "norm_project" not in xla_jaxpr

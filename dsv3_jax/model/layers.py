@@ -180,17 +180,16 @@ def projection_kernel_applies(rows: int, fp8_weights: bool) -> bool:
 
 
 def project(linears, x: jnp.ndarray, *, norm: RMSNorm | None = None, norm_scope: str = "norm", gemm_impl: str = "bf16",
-            scale_fmt: str | None = None, layer=None, reduce: tuple[str, ...] = (), out_dtype=None) -> list:
+            scale_fmt: str | None = None, layer=None, reduce: tuple[str, ...] = (), out_dtype=None, x_fp8=None) -> list:
     """[linear(norm(x)) for each of `linears`] (x itself where `norm` is None), in decode-sized steps on a GPU as one
     launch (`norm_project`: the norm in the projections' prologue, the weights and the norm's weight read at `layer`
     of their stacks in place); else the norm's kernel or XLA's (named `norm_scope` in profiles), then each Linear
-    (see `Linear.__call__`)."""
+    (see `Linear.__call__`; `x_fp8`, x's act_quant made already, goes to them where there is no norm)."""
     kernel = _projection_kernel(linears, x, norm, layer)
     if kernel is not None:
         outs = norm_project(x, **kernel, out_dtype=jnp.float32 if reduce else out_dtype)
         return [(jax.lax.psum(y, reduce) if reduce else y).astype(out_dtype or x.dtype) for y in outs]
     fp8 = linears[0].scale is not None and gemm_impl == "fp8"
-    x_fp8 = None
     if norm is not None:
         with jax.named_scope(norm_scope):
             x, _, x_fp8 = (norm.with_fp8(x, layer=layer, scale_fmt=scale_fmt) if fp8
@@ -199,16 +198,24 @@ def project(linears, x: jnp.ndarray, *, norm: RMSNorm | None = None, norm_scope:
                    x_fp8=x_fp8) for linear in linears]
 
 
+# projections without a norm run `norm_project` as vector products (a few rows, <= VECTOR_MAX_ROWS) only against at
+# least this many bytes of weights a layer (the dense MLP's w1 + w3, w2), as a dot (more rows) only against fewer
+# (attention's wo): on either side of it XLA's GEMV measured faster
+BIG_PROJECTION_BYTES = 32 * 2**20
+
+
 def _projection_kernel(linears, x, norm, layer) -> dict | None:
     """`norm_project`'s arguments for `project`, or None where its one launch does not apply: more rows than
-    PROJECTION_KERNEL_MAX_ROWS, no GPU, fp8 weights (`projection_kernel_applies`), a few rows without a norm (XLA's
-    GEMV is the faster there), weights in another dtype than x or not all read in place."""
+    PROJECTION_KERNEL_MAX_ROWS, no GPU, fp8 weights (`projection_kernel_applies`), no norm and a few rows against less
+    than BIG_PROJECTION_BYTES of weights or more rows against more, weights in another dtype than x or not all read in
+    place."""
     rows = math.prod(x.shape[:-1])
     if not projection_kernel_applies(rows, any(linear.scale is not None for linear in linears)):
         return None
-    if norm is None and rows <= VECTOR_MAX_ROWS:
-        return None
     weights = [linear.weight[...] for linear in linears]
+    layer_bytes = sum(w.shape[-2] * w.shape[-1] * w.dtype.itemsize for w in weights)
+    if norm is None and (rows <= VECTOR_MAX_ROWS) != (layer_bytes >= BIG_PROJECTION_BYTES):
+        return None
     stacked = {w.ndim == 3 for w in weights} | ({norm.weight.ndim == 2} if norm is not None else set())
     if len(stacked) != 1 or (True in stacked and layer is None) or any(w.dtype != x.dtype for w in weights):
         return None

@@ -20,7 +20,7 @@ from pallas_kernels.router import route
 
 from ..config import ModelArgs
 from ..options import StepContext
-from .layers import Linear, init_normal, param
+from .layers import Linear, init_normal, param, project
 
 
 class MLP(nnx.Module):
@@ -46,9 +46,10 @@ class MLP(nnx.Module):
         rows = ctx.layout.gather_rows(x, gathered)
         if self._in_place_kernels(rows, layer):
             y = self._as_one_expert(rows, layer).astype(jnp.float32 if reduce else out_dtype or x.dtype)
-        else:
-            hidden = jax.nn.silu(self.w1(rows, **gemm).astype(jnp.float32)).astype(x.dtype) * self.w3(rows, **gemm)
-            y = self.w2(hidden, out_dtype=jnp.float32 if reduce else out_dtype, **dict(gemm, x_fp8=None))
+        else:  # in decode-sized steps, the projections' one launch where it applies (`layers.project`)
+            h1, h3 = project([self.w1, self.w3], rows, **gemm)
+            hidden = jax.nn.silu(h1.astype(jnp.float32)).astype(x.dtype) * h3
+            (y,) = project([self.w2], hidden, out_dtype=jnp.float32 if reduce else out_dtype, **dict(gemm, x_fp8=None))
         if reduce:
             y = ctx.layout.reduce_rows(y, gathered, summed).astype(out_dtype or x.dtype)
         return y
