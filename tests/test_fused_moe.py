@@ -260,38 +260,3 @@ def test_shared_experts_run_inside_the_slot_kernels(random_model, num_devices):
     rel = np.linalg.norm(logits[True] - logits[False]) / np.linalg.norm(logits[False])
     assert rel < 1e-5, rel
 
-
-# rows: a decode step's 3 tokens and 40 (three row tiles, the last one partial); on the GPU a b=32 step's 32
-@pytest.mark.parametrize("rows, compiled", [(3, False), (40, False), pytest.param(32, True, marks=pytest.mark.gpu)])
-def test_a_stacked_mlp_runs_as_one_expert_reading_its_layer_in_place(rng, monkeypatch, rows, compiled):
-    """The shared experts' MLP, its weights whole layer stacks as the layer scan keeps them, runs in decode-sized
-    steps on a GPU as one expert that every row selects, through the fused expert kernels, which read its layer in
-    place (XLA's dot would copy the layer out of the stack first, at every layer of every step). On the CPU the
-    path is forced on (interpret mode). Layer 1 of a 3-layer stack against float64: bf16 hidden state and output
-    (2^-9 relative each) leave < 1e-2 a row; the layer next to it, or a row tile left unwritten, errs by ~1."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from dsv3_jax.model import moe
-    from dsv3_jax.options import StepContext
-
-    dim, inter, layer = 256, 384, 1  # K of w1 / w3 and of w2 whole 128-blocks, as the grouped kernels need
-    mlp = moe.MLP(dim, inter, stack=(3,), rngs=nnx.Rngs(0), hidden="shared_ffn")
-    x = jnp.asarray(rng.standard_normal((rows, dim)), jnp.bfloat16)
-    zeros = jnp.zeros((1, 1), jnp.int32)
-    ctx = StepContext(zeros, zeros.astype(jnp.float32)[..., None], zeros.astype(jnp.float32)[..., None], 1)
-    if not compiled:
-        monkeypatch.setattr(moe, "grouped_kernel_applies", lambda in_dims: True)
-    graphdef, state = nnx.split(mlp)
-    run = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, ctx, layer=jnp.int32(layer)))
-    assert "name=grouped_gemm_swiglu" in str(jax.make_jaxpr(run)(state, x))
-    got = np.asarray(run(state, x).astype(jnp.float32), np.float64)
-
-    w = {name: np.asarray(getattr(mlp, name).weight[...][layer].astype(jnp.float32), np.float64)
-         for name in ("w1", "w2", "w3")}
-    xf = np.asarray(x.astype(jnp.float32), np.float64)
-    a, b = xf @ w["w1"].T, xf @ w["w3"].T
-    hidden = np.asarray(jnp.asarray(a / (1 + np.exp(-a)) * b, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
-    want = hidden.astype(np.float64) @ w["w2"].T
-    err = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
-    assert err.max() < 1e-2, f"worst row {err.argmax()}: relative error {err.max():.2e} against float64"

@@ -44,33 +44,13 @@ class MLP(nnx.Module):
         gathered, summed = ctx.layout.reduction(self.hidden) if reduce else ((), ())
         gemm = dict(ctx.gemm, layer=layer, x_fp8=None if gathered else x_fp8)
         rows = ctx.layout.gather_rows(x, gathered)
-        if self._in_place_kernels(rows, layer):
-            y = self._as_one_expert(rows, layer).astype(jnp.float32 if reduce else out_dtype or x.dtype)
-        else:  # in decode-sized steps, the projections' one launch where it applies (`layers.project`)
-            h1, h3 = project([self.w1, self.w3], rows, **gemm)
-            hidden = jax.nn.silu(h1.astype(jnp.float32)).astype(x.dtype) * h3
-            (y,) = project([self.w2], hidden, out_dtype=jnp.float32 if reduce else out_dtype, **dict(gemm, x_fp8=None))
+        # in decode-sized steps, the projections' one launch where it applies (`layers.project`)
+        h1, h3 = project([self.w1, self.w3], rows, **gemm)
+        hidden = jax.nn.silu(h1.astype(jnp.float32)).astype(x.dtype) * h3
+        (y,) = project([self.w2], hidden, out_dtype=jnp.float32 if reduce else out_dtype, **dict(gemm, x_fp8=None))
         if reduce:
             y = ctx.layout.reduce_rows(y, gathered, summed).astype(out_dtype or x.dtype)
         return y
-
-
-    def _in_place_kernels(self, rows: jnp.ndarray, layer) -> bool:
-        """Whether this step runs `_as_one_expert`: plain weights held as whole layer stacks (the shared experts'
-        in the layer scan), decode-sized rows on a GPU, K's of whole 128-blocks. There XLA's dot would first copy
-        the layer's weights out of the stack, every layer of every step; fp8 weights have in-place GEMMs of their
-        own (`Linear`)."""
-        stacked = layer is not None and self.w1.weight.ndim == 3
-        return (stacked and self.w1.scale is None and rows.shape[0] <= FUSED_MAX_ROWS
-                and grouped_kernel_applies((self.w1.weight.shape[-1], self.w2.weight.shape[-1])))
-
-    def _as_one_expert(self, rows: jnp.ndarray, layer) -> jnp.ndarray:
-        """float32 w2(silu(w1 x) * w3 x) for rows (N, dim) from the fused expert kernels, the MLP one expert that
-        every row selects: its layer read from the stacks in place."""
-        sizes = jnp.full((1,), rows.shape[0], jnp.int32)
-        expert = lambda linear: linear.weight[...][:, None]  # noqa: E731  -- (L, 1, out, in): a view of the stack
-        hidden = grouped_swiglu(rows, expert(self.w1), expert(self.w3), None, None, sizes, stack_index=layer)
-        return grouped_matmul(hidden, expert(self.w2), None, sizes, use_kernel=True, stack_index=layer)
 
 
 class Gate(nnx.Module):
