@@ -25,6 +25,7 @@ from jax._src.pallas.triton import pallas_call_registration as triton_registrati
 
 import dsv3_jax
 from dsv3_jax.decode.step import make_step
+from dsv3_jax.model.layers import BIG_PROJECTION_BYTES
 from pallas_kernels.projection import VECTOR_MAX_ROWS
 from test_auto_paths_gpu import KERNELS, MOSAIC, STEPS, TRITON, small_v3, step_inputs, variant
 
@@ -76,6 +77,9 @@ def built():
 @pytest.mark.parametrize("weights, gemm_impl", list(KERNELS))
 def test_every_auto_path_lowers_for_an_h200(built, weights, gemm_impl):
     model = variant(built[weights], gemm_impl=gemm_impl)
+    args = model.args
+    mlp_inter = max(args.inter_dim, args.n_shared_experts * args.moe_inter_dim)
+    assert 3 * mlp_inter * args.dim * 2 < BIG_PROJECTION_BYTES, "the launch counts below assume small MLPs"
     for (what, batch, seq, _), text, kernels in zip(STEPS, lowered_steps(model), KERNELS[weights, gemm_impl],
                                                     strict=True):
         assert (MOSAIC in text, TRITON in text) == kernels, f"{what}: kernels in the step differ from {kernels}"
@@ -84,8 +88,11 @@ def test_every_auto_path_lowers_for_an_h200(built, weights, gemm_impl):
             assert DECODE_KERNELS <= set(names), f"{what}: {sorted(DECODE_KERNELS - set(names))} missing"
             assert "latent_norm_rope" not in names, f"{what}: {dict(names)}"
             # plain weights: attention's projections in three launches a layer (wq_a and wkv_a after attn_norm, wq_b
-            # after q_norm, and wo, which a few rows leave to XLA); fp8 weights keep act_quant and the fp8 GEMMs
-            launches = 0 if weights == "fp8" else 3 - (batch <= VECTOR_MAX_ROWS)
+            # after q_norm, and wo, which a few rows leave to XLA), and the MLP's two (w1 + w3, then w2: the dense
+            # layer's or the shared experts', each under BIG_PROJECTION_BYTES here) as dots past a few rows, on XLA
+            # below; fp8 weights keep act_quant and the fp8 GEMMs
+            few_rows = batch <= VECTOR_MAX_ROWS
+            launches = 0 if weights == "fp8" else (3 - few_rows) + 2 * (not few_rows)
             assert names["norm_project"] == launches * model.args.n_layers, f"{what}: {dict(names)}"
         if weights == "fp8" and gemm_impl == "bf16":
             # decode-sized steps dequantize fp8 projections inside the grouped kernel, prefill first
