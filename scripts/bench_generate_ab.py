@@ -91,7 +91,7 @@ def main() -> None:
                 results.append({"batch": batch, "mtp": mtp, "variant": name, "decode_tok_s": float(np.median(values)),
                                 "ms_per_step_row": 1e3 * batch / float(np.median(values))})
             print(f"b={batch} {'mtp' if mtp else 'plain'}: " + ", ".join(
-                f"{r['variant']} {r['decode_tok_s']:.0f} tok/s ({r["ms_per_step_row"]:.3f} ms a token per row)"
+                f"{r['variant']} {r['decode_tok_s']:.0f} tok/s ({r['ms_per_step_row']:.3f} ms a token per row)"
                 for r in results[-len(models):]), flush=True)
     if o.out:
         o.out.write_text(json.dumps({"model": "demo" if o.demo else str(o.config), "results": results}, indent=1))
