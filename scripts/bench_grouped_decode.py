@@ -1,13 +1,17 @@
-"""The slot kernels of a V3 MoE decode layer timed alone, for a sweep of their launch settings.
+"""The slot kernels of a MoE decode layer (DeepSeek-V3 or V2-Lite) timed alone, for a sweep of their launch settings.
 
     PYTHONPATH=. python3 scripts/bench_grouped_decode.py --batches 1,8 --out-dir $OUT
 
+    PYTHONPATH=. python3 scripts/bench_grouped_decode.py --weights bf16 --shape 64,6,1408,2048 --shared-chunks 2
+
 What the model's "slots" path runs at decode (`dsv3_jax/model/moe.py`): `grouped_gemm_swiglu` over each
-token's 8 routed slots plus its row of the shared expert (2048 hidden units, read in place from its
-own weight), then `grouped_gemm` for the down projection with the routing weights, on DeepSeek-V3's
-expert stacks (256 experts of 2048 x 7168, fp8 with 128x128 block scales). Two forms of the product:
-"fp8" (activations from act_quant on the fp8 tensor cores, gemm_impl "fp8") and "dequant" (the weight
-tiles dequantized to bf16, gemm_impl "bf16"; the "fp8" time includes act_quant's launch). Each timed call picks other experts (distinct input
+token's routed slots plus its rows of the shared experts (`--shared-chunks` experts' worth of hidden units,
+read in place from their own weight), then `grouped_gemm` for the down projection with the routing weights,
+by default on DeepSeek-V3's expert stacks (256 experts of 2048 x 7168, fp8 with 128x128 block scales, one
+shared expert; the second command: DeepSeek-V2-Lite's 64 experts of 1408 x 2048 in bf16, two shared). fp8
+weights run two forms of the product: "fp8" (activations from act_quant on the fp8 tensor cores, gemm_impl
+"fp8") and "dequant" (the weight tiles dequantized to bf16, gemm_impl "bf16"; the "fp8" time includes
+act_quant's launch); bf16 weights the one form "bf16". Each timed call picks other experts (distinct input
 sets, as bench_kernels.py times), so every call streams its experts from HBM; the floor is the bytes of
 the distinct experts read at 4.3 TB/s. Writes grouped-decode-<gpu>.json and .md into --out-dir.
 """
@@ -35,11 +39,23 @@ class Shape:
     topk: int = 8
     inter: int = 2048  # an expert's hidden units, also the shared expert's
     dim: int = 7168
+    shared_chunks: int = 1  # the shared experts' hidden units, in experts of `inter`
+    weights: str = "fp8"  # or "bf16"
+
+    @property
+    def shared_inter(self) -> int:
+        return self.shared_chunks * self.inter
+
+    @property
+    def forms(self) -> tuple[str, ...]:
+        return ("fp8", "dequant") if self.weights == "fp8" else ("bf16",)
 
 
-def stack(key, shape):
-    """Random fp8 values and block scales of a weight stack (..., N, K)."""
+def stack(key, shape, weights: str):
+    """Random values of a weight stack (..., N, K): fp8 with its block scales, or bf16 and no scales."""
     kw, ks = jax.random.split(key)
+    if weights == "bf16":
+        return (jax.random.normal(kw, shape, jnp.float32) * shape[-1] ** -0.5).astype(jnp.bfloat16), None
     w = (jax.random.normal(kw, shape, jnp.float32) * 64).astype(FP8_DTYPE)
     scale_shape = shape[:-2] + (shape[-2] // FP8_BLOCK, shape[-1] // FP8_BLOCK)
     return w, jnp.exp2(jax.random.uniform(ks, scale_shape, minval=-12, maxval=-4))
@@ -47,9 +63,9 @@ def stack(key, shape):
 
 def weights(sh: Shape) -> dict:
     keys = jax.random.split(jax.random.key(0), 6)
-    return dict(w1=stack(keys[0], (sh.experts, sh.inter, sh.dim)), w3=stack(keys[1], (sh.experts, sh.inter, sh.dim)),
-                w2=stack(keys[2], (sh.experts, sh.dim, sh.inter)), s1=stack(keys[3], (sh.inter, sh.dim)),
-                s3=stack(keys[4], (sh.inter, sh.dim)), s2=stack(keys[5], (sh.dim, sh.inter)))
+    shapes = dict(w1=(sh.experts, sh.inter, sh.dim), w3=(sh.experts, sh.inter, sh.dim), w2=(sh.experts, sh.dim, sh.inter),
+                  s1=(sh.shared_inter, sh.dim), s3=(sh.shared_inter, sh.dim), s2=(sh.dim, sh.shared_inter))
+    return {name: stack(key, shape, sh.weights) for key, (name, shape) in zip(keys, shapes.items(), strict=True)}
 
 
 def input_set(i: int, batch: int, sh: Shape) -> tuple:
@@ -58,7 +74,7 @@ def input_set(i: int, batch: int, sh: Shape) -> tuple:
     rng = np.random.default_rng(i)
     experts = np.stack([rng.choice(sh.experts, sh.topk, replace=False) for _ in range(batch)]).astype(np.int32)
     x = rng.standard_normal((batch, sh.dim)).astype(jnp.bfloat16)
-    h = rng.standard_normal((batch * (sh.topk + 1), sh.inter)).astype(jnp.bfloat16)
+    h = rng.standard_normal((batch * (sh.topk + sh.shared_chunks), sh.inter)).astype(jnp.bfloat16)
     row_weights = rng.uniform(0, 1, batch * sh.topk).astype(np.float32)
     return tuple(jax.device_put(a) for a in (x, experts, h, row_weights))
 
@@ -83,11 +99,12 @@ def settings(block_ns, warps, stages) -> list[dict]:
 
 
 def sweep(w: dict, batch: int, grid: list[dict], max_sets: int, sh: Shape) -> list[dict]:
-    routed_bytes = min(batch * sh.topk, sh.experts) * sh.inter * sh.dim  # distinct experts, at most (a byte each)
+    itemsize = 1 if sh.weights == "fp8" else 2
+    routed_bytes = min(batch * sh.topk, sh.experts) * sh.inter * sh.dim * itemsize  # distinct experts, at most
     out = []
     for which, weights_read in (("swiglu", 2), ("down", 1)):
-        moved = weights_read * (routed_bytes + sh.inter * sh.dim)
-        for form, setting in itertools.product(("fp8", "dequant"), grid):
+        moved = weights_read * (routed_bytes + sh.shared_inter * sh.dim * itemsize)
+        for form, setting in itertools.product(sh.forms, grid):
             try:
                 t = time_op(kernel(form, which, w, setting), lambda i: input_set(i, batch, sh), moved, moved / HBM,
                             max_sets)
@@ -112,19 +129,21 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--block-n", default="32,64,128")
+    p.add_argument("--block-n", default="16,32,64,128")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="2,3,4,6")
     p.add_argument("--max-sets", type=int, default=24)
     p.add_argument("--shape", default="", help="experts,topk,inter,dim (default: DeepSeek-V3's 256,8,2048,7168)")
+    p.add_argument("--shared-chunks", type=int, default=1, help="the shared experts' hidden units / inter")
+    p.add_argument("--weights", choices=("fp8", "bf16"), default="fp8")
     p.add_argument("--out-dir", default=os.environ.get("OUT", "benchmarks"))
     o = p.parse_args()
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
-    sh = Shape(*ints(o.shape)) if o.shape else Shape()
+    sh = Shape(*(ints(o.shape) if o.shape else ()), shared_chunks=o.shared_chunks, weights=o.weights)
     w = weights(sh)
     grid = settings(ints(o.block_n), ints(o.warps), ints(o.stages))
     rows = [r for b in ints(o.batches) for r in sweep(w, b, grid, o.max_sets, sh)]
-    name = "grouped-decode-" + jax.devices()[0].device_kind.lower().replace("nvidia ", "").replace(" ", "-")
+    name = f"grouped-decode-{sh.weights}-" + jax.devices()[0].device_kind.lower().replace("nvidia ", "").replace(" ", "-")
     out = Path(o.out_dir)
     (out / f"{name}.json").write_text(json.dumps(dict(device=jax.devices()[0].device_kind, rows=rows), indent=1))
     (out / f"{name}.md").write_text(markdown(rows))
