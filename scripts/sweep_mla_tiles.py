@@ -1,11 +1,16 @@
 """GPU time per launch of the absorbed-MLA decode kernels under several tilings, at a config's shapes.
 
     PYTHONPATH=. python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 1,8 --out x.json
+    PYTHONPATH=. python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 8,32 \
+        --kernels splits --splits 1,2,4,8,16
 
 For each kernel (`mla_absorb_query`, `mla_decode_splits`, `mla_decode_output`) and tiling, one jit launches
 the kernel once per layer of a stacked wkv_b and cache, so that every launch reads a layer that is not in L2,
 as in the model's decode step. The time is the kernel's duration on the GPU from a profiler trace (dispatch,
 which CUDA graphs hide in the step, is not measured). The first tiling of each kernel is its default.
+`--kernels splits` times the cache's split count instead: `mla_decode_splits` and the `mla_decode_output` that
+merges its splits, both at their default tiles, and their sum ("decode+output"; the count `default_splits`
+picks is marked).
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="cached positions each row attends to")
     p.add_argument("--layers", type=int, default=27, help="layers in the stacks (at most the config's)")
     p.add_argument("--repeats", type=int, default=5, help="jit calls traced per tiling")
+    p.add_argument("--kernels", default="query,decode,output", help="which sweeps: query, decode, output, splits")
+    p.add_argument("--splits", default="1,2,4,8,16", help="the split counts of the splits sweep")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
 
@@ -75,22 +82,42 @@ def _traced_us(name: str, per_layer, layers: int, repeats: int) -> float:
     return sum(e["dur"] for e in events) / len(events)
 
 
-def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int):
-    """Yield one row a (kernel, tiling) at this batch."""
+def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int, kernels: set[str],
+          split_counts: list[int]):
+    """Yield one row a (kernel, tiling) at this batch, or one a split count."""
     window = cache_window(context + 64, args.max_seq_len)
     x = operands(args, layers, batch, window)
-    nope, scale = args.qk_nope_head_dim, args.qk_head_dim ** -0.5
     row = dict(batch=batch, window=window)
+    if "query" in kernels:
+        yield from _query_rows(args, x, row, layers, repeats)
+    if "decode" in kernels:
+        yield from _decode_rows(args, x, row, layers, repeats)
+    if "output" in kernels:
+        yield from _output_rows(args, x, row, layers, repeats)
+    if "splits" in kernels:
+        yield from _split_rows(args, x, row, layers, repeats, split_counts)
+
+
+def _query_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int):
+    nope = args.qk_nope_head_dim
     for tiles in QUERY_TILES:
         run = lambda layer, t=tiles: mla_absorb_query(x["q"], x["wkv_b"], layer, nope=nope,  # noqa: E731
                                                       rope=(x["cos"], x["sin"], True), **t)
         yield dict(row, kernel="mla_absorb_query", tiles=tiles, us=launch_us("mla_absorb_query", run, layers, repeats))
+
+
+def _decode_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int):
+    window, scale = row["window"], args.qk_head_dim ** -0.5
     for tiles in DECODE_TILES:
         run = lambda layer, t=tiles: mla_decode_splits(x["q_latent"], x["q_pe"], x["kv"], x["pe"],  # noqa: E731
                                                        layer, x["lengths"], kv_len=window, scale=scale, **t)
-        yield dict(row, kernel="mla_decode", tiles=tiles, splits=default_splits(batch, args.n_heads, window,
+        yield dict(row, kernel="mla_decode", tiles=tiles, splits=default_splits(row["batch"], args.n_heads, window,
                                                                                 tiles["block_t"], 16),
                    us=launch_us("mla_decode", run, layers, repeats))
+
+
+def _output_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int):
+    window, scale = row["window"], args.qk_head_dim ** -0.5
     for block_t, tiles in itertools.product(OUTPUT_SPLIT_BLOCKS, OUTPUT_TILES):
         acc, m, l = mla_decode_splits(x["q_latent"], x["q_pe"], x["kv"], x["pe"], 0, x["lengths"], kv_len=window,
                                       scale=scale, block_t=block_t)
@@ -101,6 +128,25 @@ def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int):
                    us=launch_us("mla_decode_output", run, layers, repeats))
 
 
+def _split_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int, split_counts: list[int]):
+    """Per split count: the cache kernel, the merge + output kernel on its splits, and their sum."""
+    window, scale = row["window"], args.qk_head_dim ** -0.5
+    chosen = default_splits(row["batch"], args.n_heads, window, 64, 16)
+    for splits in split_counts:
+        decode = lambda layer, s=splits: mla_decode_splits(  # noqa: E731
+            x["q_latent"], x["q_pe"], x["kv"], x["pe"], layer, x["lengths"], kv_len=window, scale=scale, splits=s)
+        acc, m, l = decode(0)
+        output = lambda layer, acc=acc, m=m, l=l: mla_decode_output(  # noqa: E731
+            acc, m, l, x["q_latent"], x["q_pe"], x["new_kv"], x["new_pe"], x["wkv_b"], layer, scale=scale,
+            v_dim=args.v_head_dim)
+        times = dict(decode=launch_us("mla_decode", decode, layers, repeats),
+                     output=launch_us("mla_decode_output", output, layers, repeats))
+        total = sum(times.values()) if all(isinstance(t, float) for t in times.values()) else "; ".join(
+            str(t) for t in times.values() if not isinstance(t, float))
+        for kernel, us in (*times.items(), ("decode+output", total)):
+            yield dict(row, kernel=kernel, tiles=dict(default=splits == chosen), splits=splits, us=us)
+
+
 def main() -> None:
     o = parse_args()
     args = ModelArgs.from_reference_json(o.config)
@@ -109,7 +155,8 @@ def main() -> None:
     args = args.replace(max_batch_size=max(batches), max_seq_len=o.context + 64)
     rows = []
     for batch in batches:
-        for row in sweep(args, layers, batch, o.context, o.repeats):
+        for row in sweep(args, layers, batch, o.context, o.repeats, set(o.kernels.split(",")),
+                         [int(s) for s in o.splits.split(",")]):
             rows.append(row)
             print(row_line(row), flush=True)
     if o.out:
