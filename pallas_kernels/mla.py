@@ -434,8 +434,8 @@ def mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, laye
 
 
 def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=None, *, scale: float, v_dim: int,
-                      wkv_b_scale=None, block_v: int = 16, block_b: int = 16, num_warps: int = 4,
-                      num_stages: int = 1) -> jax.Array:
+                      wkv_b_scale=None, block_v: int = 16, block_b: int = 16, v_blocks: int = 1,
+                      num_warps: int = 4, num_stages: int = 1) -> jax.Array:
     """The end of the absorbed decode attention in one launch: `mla_decode_splits`' partial softmaxes
     (acc, m, l) merged with the new entry's (scored from q_latent, q_pe, new_kv, new_pe as `mla_decode`
     does), the latent output rounded to q_latent's dtype and projected through wkv_b's value half:
@@ -443,14 +443,18 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
 
     wkv_b: (H (D + V), C) in q_latent's dtype, or a stack (L, H (D + V), C) with `layer`, read in place;
     an fp8 one with `wkv_b_scale`, dequantized tile by tile (as in `mla_absorb_query`).
-    One program per (head, V block, batch block of at most `block_b` rows); each merges its rows' splits
-    itself. A program holds its rows' (block_b, C) float32 latents: more than 16 rows spill registers.
+    One program per (head, `v_blocks` V blocks of `block_v` columns, batch block of at most `block_b` rows); each
+    merges its rows' splits itself, once for its V blocks (more V blocks a program: fewer programs, each split
+    read by fewer of them). A program holds its rows' (block_b, C) float32 latents: more than 16 rows spill
+    registers.
     """
     batch, splits, heads, rank = acc.shape
     w = _wkv_b_stack(_OUTPUT, wkv_b, layer, wkv_b_scale, heads, wkv_b.shape[-2] // heads - v_dim, rank,
                      q_latent.dtype)
     _check_block(_OUTPUT, "block_v", block_v, None if w.scale is None else BLOCK)
     _check_block(_OUTPUT, "block_b", block_b)
+    if v_blocks < 1:
+        fail(_OUTPUT, f"v_blocks={v_blocks} must be at least 1")
     if q_latent.shape != (batch, heads, rank) or m.shape != (batch, splits, heads):
         fail(_OUTPUT, f"acc {acc.shape}, m {m.shape}, q_latent {q_latent.shape} {q_latent.dtype} and wkv_b "
                       f"{w.stack.dtype} do not match")
@@ -462,9 +466,11 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
     per_head = w.stack.shape[1] // heads
     kernel = functools.partial(_output_kernel, batch=batch, splits=splits, value_row=per_head - v_dim,
                                per_head=per_head, v_dim=v_dim, scale=scale, block_b=block_b, block_v=block_v,
-                               splits_padded=1 << max(0, (splits - 1).bit_length()), fp8=w.scale is not None)
+                               splits_padded=1 << max(0, (splits - 1).bit_length()), fp8=w.scale is not None,
+                               v_blocks=min(v_blocks, cdiv(v_dim, block_v)))
     (out,) = _per_head_launch(_OUTPUT, kernel, [((batch, heads, v_dim), q_latent.dtype)],
-                              (cdiv(v_dim, block_v), cdiv(batch, block_b)), (num_warps, num_stages), interpret,
+                              (cdiv(v_dim, block_v * v_blocks), cdiv(batch, block_b)), (num_warps, num_stages),
+                              interpret,
                               w.layer, acc, m, l, q_latent, q_pe, new_kv, new_pe, *w.refs)
     return out
 
@@ -502,16 +508,36 @@ def _merged_latent(acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, *, h, 
 
 
 def _output_kernel(layer_ref, acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, w_ref, *refs, batch, splits,
-                   value_row, per_head, v_dim, scale, block_b, block_v, splits_padded, fp8):
-    """An fp8 wkv_b's value rows of a program lie in one row of scale blocks (block_v <= 128): one scale
-    per 128 columns, spread over the tile's columns."""
+                   value_row, per_head, v_dim, scale, block_b, block_v, splits_padded, fp8, v_blocks):
+    """The rows' latents merged once, then projected through each of the program's V blocks."""
     s_ref, o_ref = refs if fp8 else (None, *refs)
-    h, vb, bb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
+    h, vg, bb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row_ok = bb * block_b + jnp.arange(block_b) < batch
     bs = pl.ds(bb * block_b, block_b)
     latent = _merged_latent(acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, h=h, bs=bs, row_ok=row_ok,
                             splits=splits, scale=scale, splits_padded=splits_padded).astype(q_ref.dtype)
+    blocks = cdiv(v_dim, block_v)
+
+    def project(i, carry):  # a loop, not unrolled: unrolled, the blocks' weight loads were hoisted and spilled
+        vb = vg * v_blocks + i
+        block = functools.partial(_project_value_block, latent, w_ref, s_ref, o_ref, layer_ref[0], h, vb, bs, row_ok,
+                                  value_row=value_row, per_head=per_head, v_dim=v_dim, block_v=block_v, fp8=fp8)
+        if blocks % v_blocks:  # the last program's last blocks lie past V: they read and store nothing
+            pl.when(vb < blocks)(block)
+        else:
+            block()
+        return carry
+
+    if v_blocks == 1:
+        project(0, 0)
+    else:
+        jax.lax.fori_loop(0, v_blocks, project, 0)
+
+
+def _project_value_block(latent, w_ref, s_ref, o_ref, layer, h, vb, bs, row_ok, *, value_row, per_head, v_dim,
+                         block_v, fp8):
+    """out[rows, h, V block vb] = latent @ W[h, D + V block]^T. An fp8 wkv_b's value rows of a block lie in one
+    row of scale blocks (block_v <= 128): one scale per 128 columns, spread over the tile's columns."""
     v_ok = vb * block_v + jnp.arange(block_v) < v_dim
     first_row = h * per_head + value_row + vb * block_v
     w_v = _load_weight(w_ref.at[layer, pl.ds(first_row, block_v), :], None if v_dim % block_v == 0 else v_ok[:, None])
@@ -520,7 +546,7 @@ def _output_kernel(layer_ref, acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_
         col_scale = jnp.zeros(w_v.shape[1:], jnp.float32)
         for c in range(w_v.shape[1] // BLOCK):
             col_scale = jnp.where(columns // BLOCK == c, s_ref[layer, scale_row, c], col_scale)
-        w_v = _dequantized(w_v, col_scale[None, :], q_ref.dtype)
+        w_v = _dequantized(w_v, col_scale[None, :], latent.dtype)
     out = jax.lax.dot_general(latent, w_v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     plgpu.store(o_ref.at[bs, h, pl.ds(vb * block_v, block_v)], out.astype(o_ref.dtype),
                 mask=row_ok[:, None] & v_ok[None, :])

@@ -28,7 +28,8 @@ from profile_step import gpu_events
 
 QUERY_TILES = [dict(block_c=c, num_warps=w) for c, w in itertools.product((128, 64, 32), (4, 2))]
 DECODE_TILES = [dict(block_t=t, num_warps=w) for t, w in itertools.product((64, 32, 16), (4, 2))]
-OUTPUT_TILES = [dict(block_v=v, num_warps=w) for v, w in itertools.product((32, 16, 64), (4, 2))]
+OUTPUT_TILES = ([dict(block_v=v, num_warps=w) for v, w in itertools.product((16, 32, 64), (4, 2))]
+                + [dict(block_v=16, v_blocks=n) for n in (2, 4, 8)])  # one merge for several V blocks
 OUTPUT_SPLIT_BLOCKS = (64, 32)  # the output kernel merges as many splits as mla_decode_splits made at these
 
 

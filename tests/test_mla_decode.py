@@ -89,6 +89,29 @@ def test_absorbed_decode_in_three_launches(batch, heads, lengths, splits, kv_len
     assert np.abs(np.asarray(got, np.float64) - want).max() <= tol * np.abs(want).max()
 
 
+@pytest.mark.parametrize("v_blocks", [2, 3])
+def test_decode_output_with_several_value_blocks_a_program(v_blocks, batch=18, heads=3, nope=16, v_dim=48, rank=64,
+                                                           rope=16, kv_len=96):
+    """mla_decode_output with `v_blocks` V blocks a program, each merging its rows' splits once: V = 48 is three
+    blocks of 16, so v_blocks 2 leaves the second program one block past V (it must store nothing, and the
+    first program's two blocks both), 3 puts all of them in one program; 18 rows: two batch blocks. Against
+    float64."""
+    rng = np.random.default_rng(29 + v_blocks)
+    lengths = [(41 * b) % kv_len for b in range(batch)]
+    wkv_b, q_nope, kv, pe, q_pe, new_kv, new_pe = absorbed_case(rng, batch, heads, nope, v_dim, rank, rope,
+                                                                lengths, kv_len, jnp.float32)
+    q_latent = jnp.asarray(0.1 * rng.standard_normal((batch, heads, rank)), jnp.float32)
+    lengths = jnp.array(lengths, jnp.int32)
+    splits = mla_decode_splits(q_latent, q_pe, kv, pe, jnp.int32(1), lengths, kv_len=kv_len, scale=0.3, block_t=32,
+                               splits=3)
+    got = mla_decode_output(*splits, q_latent, q_pe, new_kv, new_pe, wkv_b, jnp.int32(1), scale=0.3, v_dim=v_dim,
+                            v_blocks=v_blocks)
+    latent = float64_attention(q_latent, q_pe, kv, pe, 1, np.asarray(lengths), new_kv, new_pe, 0.3)
+    w = np.asarray(wkv_b, np.float64)[1].reshape(heads, nope + v_dim, rank)
+    want = np.einsum("bhc,hdc->bhd", latent, w[:, nope:])
+    assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def fp8_wkv_b(rng, heads, per_head, rank):
     """A 2-layer fp8 wkv_b stack and its block scales: powers of two from 1/16 to 4 times a random factor,
     so that a tile scaled by a neighbouring block's scale is off by 2x or more."""

@@ -80,18 +80,20 @@ def decode_operands(batch: int, heads: int, splits: int, fp8: bool) -> tuple:
             spec((batch, ROPE), F), wkv_b, scale)
 
 
-# (batch, heads, splits, fp8): V2-Lite's 16 heads and V3's 128 at decode batches, splits of one merge group
-# and of several (the V3 cut's b=8 at a 608-position window has 5, V2-Lite's b=1 and b=8 have 10). Batches
-# of more than 16 rows run in 16-row programs: 32- and 64-row ones spilled (benchmarks/NOTES.md)
-OUTPUT_CASES = [(1, 16, 10, False), (8, 16, 10, False), (8, 128, 5, True), (1, 128, 10, True), (16, 16, 3, False),
-                (32, 16, 10, False), (64, 128, 5, True)]
+# (batch, heads, splits, fp8, v_blocks): V2-Lite's 16 heads and V3's 128 at decode batches, splits of one merge
+# group and of several (the V3 cut's b=8 at a 608-position window has 5, V2-Lite's b=1 and b=8 have 10), one V
+# block a program and several (the program's V blocks unrolled after one merge). Batches of more than 16 rows
+# run in 16-row programs: 32- and 64-row ones spilled (benchmarks/NOTES.md)
+OUTPUT_CASES = [(1, 16, 10, False, 1), (8, 16, 10, False, 1), (8, 128, 5, True, 1), (1, 128, 10, True, 1),
+                (16, 16, 3, False, 1), (32, 16, 10, False, 1), (64, 128, 5, True, 1), (32, 16, 10, False, 8),
+                (8, 128, 5, True, 4)]
 
 
-@pytest.mark.parametrize("batch, heads, splits, fp8", OUTPUT_CASES)
-def test_mla_decode_output_does_not_spill(batch, heads, splits, fp8, tmp_path):
+@pytest.mark.parametrize("batch, heads, splits, fp8, v_blocks", OUTPUT_CASES)
+def test_mla_decode_output_does_not_spill(batch, heads, splits, fp8, v_blocks, tmp_path):
     def output(acc, m, l, q, qpe, kv, pe, wkv_b, scale):
         return mla_decode_output(acc, m, l, q, qpe, kv, pe, wkv_b, jnp.int32(1), scale=0.1, v_dim=V,
-                                 wkv_b_scale=scale)
+                                 wkv_b_scale=scale, v_blocks=v_blocks)
 
     (ir,) = triton_modules(output, *decode_operands(batch, heads, splits, fp8))
     report = ptxas_report(ir, tmp_path)
