@@ -91,7 +91,7 @@ def test_absorbed_decode_in_three_launches(batch, heads, lengths, splits, kv_len
 
 @pytest.mark.parametrize("v_blocks", [2, 3])
 def test_decode_output_with_several_value_blocks_a_program(v_blocks, batch=18, heads=3, nope=16, v_dim=48, rank=64,
-                                                           rope=16, kv_len=96):
+                                                           rope=16, kv_len=96, dtype=jnp.float32, tol=1e-5):
     """mla_decode_output with `v_blocks` V blocks a program, each merging its rows' splits once: V = 48 is three
     blocks of 16, so v_blocks 2 leaves the second program one block past V (it must store nothing, and the
     first program's two blocks both), 3 puts all of them in one program; 18 rows: two batch blocks. Against
@@ -99,8 +99,8 @@ def test_decode_output_with_several_value_blocks_a_program(v_blocks, batch=18, h
     rng = np.random.default_rng(29 + v_blocks)
     lengths = [(41 * b) % kv_len for b in range(batch)]
     wkv_b, q_nope, kv, pe, q_pe, new_kv, new_pe = absorbed_case(rng, batch, heads, nope, v_dim, rank, rope,
-                                                                lengths, kv_len, jnp.float32)
-    q_latent = jnp.asarray(0.1 * rng.standard_normal((batch, heads, rank)), jnp.float32)
+                                                                lengths, kv_len, dtype)
+    q_latent = jnp.asarray(0.1 * rng.standard_normal((batch, heads, rank)), dtype)
     lengths = jnp.array(lengths, jnp.int32)
     splits = mla_decode_splits(q_latent, q_pe, kv, pe, jnp.int32(1), lengths, kv_len=kv_len, scale=0.3, block_t=32,
                                splits=3)
@@ -109,7 +109,8 @@ def test_decode_output_with_several_value_blocks_a_program(v_blocks, batch=18, h
     latent = float64_attention(q_latent, q_pe, kv, pe, 1, np.asarray(lengths), new_kv, new_pe, 0.3)
     w = np.asarray(wkv_b, np.float64)[1].reshape(heads, nope + v_dim, rank)
     want = np.einsum("bhc,hdc->bhd", latent, w[:, nope:])
-    assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-5 * np.abs(want).max()
+    assert got.shape == want.shape and got.dtype == dtype
+    assert np.abs(np.asarray(got, np.float64) - want).max() <= tol * np.abs(want).max()
 
 
 def fp8_wkv_b(rng, heads, per_head, rank):
@@ -278,6 +279,16 @@ def test_absorbed_decode_compiled_on_gpu(batch, lengths):
     16-row blocks of the output kernel, the last partly filled."""
     test_absorbed_decode_in_three_launches(batch, 16, lengths, None, dtype=jnp.bfloat16, tol=2e-2, kv_len=1024,
                                            nope=128, v_dim=128, rank=512, rope=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v_blocks", [3, 8])
+def test_decode_output_with_several_value_blocks_compiled_on_gpu(v_blocks):
+    """V2-Lite's head shape (D = V = 128, C = 512, rotary 64), bf16, 40 rows: eight V blocks of 16 as three
+    programs (the last with one block past V) or as one."""
+    test_decode_output_with_several_value_blocks_a_program(v_blocks, batch=40, heads=16, nope=128, v_dim=128,
+                                                           rank=512, rope=64, kv_len=1024, dtype=jnp.bfloat16,
+                                                           tol=2e-2)
 
 
 @pytest.mark.gpu
