@@ -54,26 +54,30 @@ def norm_chunk(columns: int) -> int:
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.Array | None = None, layer=None,
-             columns: int | None = None):
+             columns: int | None = None, column_groups: int = 1):
     """RMSNorm of x (..., W) over its last axis, or over its first `columns` (read in place).
 
     weight: float (C,), or a layer stack (L, C) read at `layer` (a traced int). residual: like x; then the
     result is (normed (..., W), x + residual (..., W) in x's dtype), else normed (..., C) in x's dtype.
+    column_groups: programs a row, each summing the row's squares and scaling its share of the row's chunks
+    (`norm_chunk` columns each; at most one group a chunk): a wide row's second pass split over several SMs.
     """
-    columns = _check(x, weight, residual, layer, columns)
+    columns = _check(x, weight, residual, layer, columns, column_groups)
     interpret = use_interpret()
     operands = (x,) + (() if residual is None else (residual,))
     if x.size == 0 or interpret_in_shard_map(interpret, *operands, weight):
         return rms_norm_ref(x, weight, eps=eps, residual=residual, layer=layer, columns=columns)
-    normed, summed, _, _ = _launch(x, weight, residual=residual, layer=layer, columns=columns, eps=eps)
+    normed, summed, _, _ = _launch(x, weight, residual=residual, layer=layer, columns=columns, eps=eps,
+                                   column_groups=column_groups)
     return normed if residual is None else (normed, summed)
 
 
 def rms_norm_fp8(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.Array | None = None, layer=None,
-                 scale_fmt: str | None = None):
+                 scale_fmt: str | None = None, column_groups: int = 1):
     """`rms_norm` of whole rows, and the normed rows (in x's dtype) quantized as `act_quant(normed, scale_fmt=)`
-    gives them: (normed, x + residual or None, (e4m3 values, float32 scales (..., W / 128))). W a multiple of 128."""
-    columns = _check(x, weight, residual, layer, None)
+    gives them: (normed, x + residual or None, (e4m3 values, float32 scales (..., W / 128))). W a multiple of 128.
+    column_groups: as `rms_norm`'s."""
+    columns = _check(x, weight, residual, layer, None, column_groups)
     if columns % BLOCK or scale_fmt not in (None, "ue8m0"):
         fail("rms_norm_fp8", f"rows of {columns} (a multiple of {BLOCK}) and scale_fmt None or 'ue8m0' needed, "
                              f"got scale_fmt={scale_fmt!r}")
@@ -83,7 +87,7 @@ def rms_norm_fp8(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.A
         normed, summed = (out, None) if residual is None else out
         return normed, summed, act_quant_ref(normed, scale_fmt=scale_fmt)
     normed, summed, _, quantized = _launch(x, weight, residual=residual, layer=layer, columns=columns, eps=eps,
-                                           quantize=scale_fmt or "e4m3")
+                                           quantize=scale_fmt or "e4m3", column_groups=column_groups)
     return normed, summed, quantized
 
 
@@ -105,10 +109,14 @@ def latent_norm_rope(kv: jax.Array, weight: jax.Array, cos: jax.Array, sin: jax.
     return normed, rotated
 
 
-def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, rope=None, quantize=None):
-    """The kernel over x's rows: (normed, x + residual or None, rotated x[..., columns:] or None, the normed rows
-    quantized (`quantize`: "e4m3", or "ue8m0" for power-of-two scales) or None). Quantized rows are passed as
-    (rows, W / 128, 128) views, so that a program scales and quantizes several 128-blocks at once."""
+def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, rope=None, quantize=None,
+            column_groups: int = 1):
+    """The kernel over x's rows, `column_groups` programs a row: (normed, x + residual or None, rotated
+    x[..., columns:] or None, the normed rows quantized (`quantize`: "e4m3", or "ue8m0" for power-of-two scales)
+    or None). Quantized rows are passed as (rows, W / 128, 128) views, so that a program scales and quantizes
+    several 128-blocks at once."""
+    chunks = columns // norm_chunk(columns)
+    per_group = -(-chunks // column_groups)
     lead, width = x.shape[:-1], x.shape[-1]
     tile = (width,) if quantize is None else (width // BLOCK, BLOCK)
     rows = x.reshape(-1, *tile)
@@ -128,9 +136,9 @@ def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, r
     outs = list(pl.pallas_call(
         functools.partial(_kernel, columns=columns, chunk=norm_chunk(columns), eps=float(eps),
                           summed=residual is not None, rope=None if rope is None else rope[2], quantize=quantize,
-                          interpret=use_interpret()),
+                          interpret=use_interpret(), per_group=per_group),
         out_shape=tuple(shapes),
-        grid=(m,),
+        grid=(m, -(-chunks // per_group)),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=use_interpret(),
         name=_FN if rope is None else "latent_norm_rope",
@@ -143,39 +151,56 @@ def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, r
     return normed, summed, rotated, quantized
 
 
-def _kernel(layer_ref, x_ref, *refs, columns, chunk, eps, summed, rope, quantize, interpret):
-    """One row, `chunk` columns at a time: pass 1 sums the squares (storing x + residual where summed), pass 2
-    scales (with `quantize`, each chunk's 128-blocks also quantized as act_quant does); with `rope` (interleaved
-    or not) the columns after the normed ones are rotated."""
+def _kernel(layer_ref, x_ref, *refs, columns, chunk, eps, summed, rope, quantize, interpret, per_group):
+    """One row, `chunk` columns at a time: pass 1 sums the squares of every chunk (storing x + residual where
+    summed), pass 2 scales (with `quantize`, each chunk's 128-blocks also quantized as act_quant does); both store
+    only the program's group of `per_group` chunks. With `rope` (interleaved or not) group 0 rotates the columns
+    after the normed ones."""
     refs = list(refs)
     res_ref = refs.pop(0) if summed else None
     w_ref = refs.pop(0)
     cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if rope is not None else (None, None)
     o_ref = refs.pop(0)
     sum_ref = refs.pop(0) if summed else None
-    row, layer = pl.program_id(0), layer_ref[0]
+    row, group, layer = pl.program_id(0), pl.program_id(1), layer_ref[0]
     load = _chunk_loader(x_ref, res_ref, row)
     chunks = [_chunk_at(c, chunk, blocked=quantize is not None) for c in range(columns // chunk)]
+    grouped = per_group < len(chunks)
+
+    def own(c: int, store):  # `store` runs in the program of chunk c's group only
+        if grouped:
+            pl.when(group == c // per_group)(store)
+        else:
+            store()
+
     squares = jnp.zeros((chunk,) if quantize is None else (chunk // BLOCK, BLOCK), jnp.float32)
-    for at in chunks:
+    for c, at in enumerate(chunks):
         h = load(at)
         if summed:
-            plgpu.store(sum_ref.at[(row, *at)], h)
+            own(c, functools.partial(plgpu.store, sum_ref.at[(row, *at)], h))
         hf = h.astype(jnp.float32)
         squares += hf * hf
     inv = jax.lax.rsqrt(jnp.sum(squares) / columns + eps)
-    for at in chunks:
+
+    def scale(at):
         w = plgpu.load(w_ref.at[(layer, *at)]).astype(jnp.float32)
         normed = (load(at).astype(jnp.float32) * inv * w).astype(o_ref.dtype)
         plgpu.store(o_ref.at[(row, *at)], normed)
         if quantize is not None:
             _quantize_blocks(normed, at, q_refs=refs[-2:], row=row, ue8m0=quantize == "ue8m0", interpret=interpret)
+
+    for c, at in enumerate(chunks):
+        own(c, functools.partial(scale, at))
     if rope is not None:
-        rot_ref = refs[0]
-        width = rot_ref.shape[1]
-        x = plgpu.load(x_ref.at[row, pl.ds(columns, width)])
-        rotated = rotate_row(x.astype(jnp.float32), plgpu.load(cos_ref.at[row]), plgpu.load(sin_ref.at[row]), rope)
-        plgpu.store(rot_ref.at[row], rotated.astype(rot_ref.dtype))
+        own(0, functools.partial(_rotate_tail, x_ref, cos_ref, sin_ref, refs[0], row, columns, rope))
+
+
+def _rotate_tail(x_ref, cos_ref, sin_ref, rot_ref, row, columns: int, interleaved: bool):
+    """The row's columns after the normed ones, rotated by its angles, into rot_ref."""
+    x = plgpu.load(x_ref.at[row, pl.ds(columns, rot_ref.shape[1])])
+    rotated = rotate_row(x.astype(jnp.float32), plgpu.load(cos_ref.at[row]), plgpu.load(sin_ref.at[row]),
+                         interleaved)
+    plgpu.store(rot_ref.at[row], rotated.astype(rot_ref.dtype))
 
 
 def _chunk_at(c: int, chunk: int, *, blocked: bool) -> tuple:
@@ -207,7 +232,7 @@ def _quantize_blocks(normed, at, *, q_refs, row, ue8m0, interpret):
     plgpu.store(s_ref.at[row, at[0], :], s)
 
 
-def _check(x, weight, residual, layer, columns) -> int:
+def _check(x, weight, residual, layer, columns, column_groups: int = 1) -> int:
     if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
         fail(_FN, f"x must be a float array (..., W), got {x.dtype} {x.shape}")
     width = x.shape[-1]
@@ -222,4 +247,8 @@ def _check(x, weight, residual, layer, columns) -> int:
                                                                                f" stacked: (L, {columns})"))
     if not norm_chunk(columns):
         fail(_FN, f"columns={columns} has no power-of-two factor of at least 16 (a Triton tile)")
+    chunks = columns // norm_chunk(columns)
+    if not 1 <= column_groups <= chunks:
+        fail(_FN, f"column_groups={column_groups} must lie in [1, {chunks}] (the row's {chunks} chunks of "
+                  f"{norm_chunk(columns)} columns)")
     return columns

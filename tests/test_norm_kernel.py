@@ -10,6 +10,8 @@ are held to a bf16 rounding of the float64 value (relative L2 < 4e-3, about one 
 The rotary key is checked in both pair layouts (adjacent, DeepSeek's; half a head apart) at random angles:
 a pair's wrong partner, sign or angle moves it by O(1).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -29,9 +31,9 @@ def float64_norm(h: np.ndarray, w: np.ndarray) -> np.ndarray:
     return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + EPS) * w
 
 
-@jax.jit
-def _kernel(x, residual, weight, layer):
-    return rms_norm(x, weight, eps=EPS, residual=residual, layer=layer)
+@functools.partial(jax.jit, static_argnames="column_groups")
+def _kernel(x, residual, weight, layer, column_groups=1):
+    return rms_norm(x, weight, eps=EPS, residual=residual, layer=layer, column_groups=column_groups)
 
 
 @jax.jit
@@ -71,6 +73,33 @@ def test_norm_matches_float64(case):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_norm_compiled_on_gpu(case):
     check(case, seed=10 + CASES.index(case))
+
+
+def check_column_groups(groups: int, seed: int):
+    """A V3 row (seven 1,024-column chunks) after the residual add in `groups` programs, each summing the whole
+    row's squares and storing its share of the chunks (7: one each; 3: 3 + 3 + 1): the same bits as one program,
+    normed, summed and (rms_norm_fp8) quantized; one program's result was checked against float64 above."""
+    rng = np.random.default_rng(seed)
+    x, r = (jnp.asarray(rng.standard_normal((5, 7168)) * scale, jnp.bfloat16) for scale in (3, 1))
+    w = rng.uniform(0.5, 1.5, (4, 7168)).astype(np.float32)
+    for got, want in zip(_kernel(x, r, w, jnp.int32(2), column_groups=groups), _kernel(x, r, w, jnp.int32(2)),
+                         strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    fp8 = jax.jit(lambda x, r, w, groups: rms_norm_fp8(x, w, eps=EPS, residual=r, layer=jnp.int32(2),
+                                                       column_groups=groups), static_argnums=3)
+    got, want = jax.tree.leaves(fp8(x, r, w, groups)), jax.tree.leaves(fp8(x, r, w, 1))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("groups", [3, 7])
+def test_norm_in_column_groups_matches_one_program(groups):
+    check_column_groups(groups, seed=50 + groups)
+
+
+@pytest.mark.gpu
+def test_norm_in_column_groups_compiled_on_gpu():
+    check_column_groups(7, seed=60)
 
 
 def float64_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
@@ -160,6 +189,8 @@ def test_norm_errors_name_the_argument():
         rms_norm(x, jnp.zeros((512,)), eps=EPS, residual=x, columns=512)
     with pytest.raises(ValueError, match="columns=100 has no power-of-two factor of at least 16"):
         rms_norm(jnp.zeros((2, 100)), jnp.zeros((100,)), eps=EPS)
+    with pytest.raises(ValueError, match=r"rms_norm: column_groups=8 must lie in \[1, 7\] \(the row's 7 chunks"):
+        rms_norm(jnp.zeros((2, 7168)), jnp.zeros((7168,)), eps=EPS, column_groups=8)
     with pytest.raises(ValueError, match=r"rms_norm_fp8: rows of 576 \(a multiple of 128\)"):
         rms_norm_fp8(x, jnp.zeros((576,)), eps=EPS)
     angles = jnp.zeros((2, 32))

@@ -1,0 +1,76 @@
+"""GPU time per launch of the one-launch RMSNorm at a row width, for each count of programs a row.
+
+    PYTHONPATH=. python3 scripts/sweep_norm.py --width 7168 --batches 1,8 --groups 1,2,4,7 --out x.json
+
+What the model's decode steps run before each projection of DeepSeek-V3 (7,168 columns, seven chunks of
+1,024): `rms_norm` after the residual add (gemm_impl "bf16") and `rms_norm_fp8` (the normed rows also quantized
+as act_quant does, gemm_impl "fp8"). `column_groups` splits a row's second pass (scale, store, quantize) over
+that many programs, each of which sums the whole row's squares. One jit launches the norm once per layer of a
+stacked weight; the time is the kernel's duration from a profiler trace (`profile_step.gpu_events`), the first
+count of each form its default (1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.norm import norm_chunk, rms_norm, rms_norm_fp8
+from profile_step import gpu_events
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=7168, help="the normed row's columns (the model's dim)")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--groups", default="1,2,4,7", help="programs a row (at most the row's chunks)")
+    p.add_argument("--layers", type=int, default=16, help="layers of the weight stack, one launch each")
+    p.add_argument("--repeats", type=int, default=5, help="jit calls traced per setting")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    return p.parse_args()
+
+
+def launch_us(per_layer, layers: int, repeats: int) -> float:
+    """Mean GPU time of the rms_norm kernels while a jit of per_layer(layer) for each layer runs."""
+    many = jax.jit(lambda: [per_layer(jnp.int32(layer)) for layer in range(layers)])
+    jax.block_until_ready(many())
+    events = [e for e in gpu_events(lambda: [jax.block_until_ready(many()) for _ in range(repeats)])
+              if e["name"].startswith("rms_norm")]
+    if len(events) != layers * repeats:
+        raise RuntimeError(f"sweep_norm: {len(events)} rms_norm kernels traced, expected {layers * repeats}")
+    return sum(e["dur"] for e in events) / len(events)
+
+
+def sweep(width: int, batch: int, groups: list[int], layers: int, repeats: int):
+    """Yield a row per (form, column groups) at this batch."""
+    keys = jax.random.split(jax.random.key(batch), 3)
+    x, residual = (jax.random.normal(k, (batch, width), jnp.float32).astype(jnp.bfloat16) for k in keys[:2])
+    weight = jax.random.uniform(keys[2], (layers, width), jnp.float32, 0.5, 1.5)
+    forms = {"bf16": lambda layer, g: rms_norm(x, weight, eps=1e-6, residual=residual, layer=layer, column_groups=g),
+             "fp8": lambda layer, g: rms_norm_fp8(x, weight, eps=1e-6, residual=residual, layer=layer,
+                                                  column_groups=g)}
+    for form, norm in forms.items():
+        for g in groups:
+            us = launch_us(lambda layer, g=g, norm=norm: norm(layer, g), layers, repeats)
+            yield dict(batch=batch, width=width, form=form, column_groups=g, us=us)
+
+
+def main() -> None:
+    o = parse_args()
+    chunks = o.width // norm_chunk(o.width)
+    groups = [g for g in (int(v) for v in o.groups.split(",")) if g <= chunks]
+    rows = []
+    for batch in (int(b) for b in o.batches.split(",")):
+        for row in sweep(o.width, batch, groups, o.layers, o.repeats):
+            rows.append(row)
+            print(f"b={row['batch']:<3d} {row['form']:5s} column_groups={row['column_groups']:<2d} {row['us']:7.2f} us",
+                  flush=True)
+    if o.out:
+        with open(o.out, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
