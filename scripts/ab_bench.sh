@@ -2,7 +2,7 @@
 # Time a baseline revision and the working tree in ONE device call, so that every speed claim has
 # its baseline from the same run (same GPU, clocks, drivers).
 #
-# Here:   scripts/ab_bench.sh prepare REV          # git archive REV into .device-data/baseline
+# Here:   scripts/ab_bench.sh prepare REV          # REV's code (no data, assets, tests, docs) into .device-data/baseline
 # Device: scripts/ab_bench.sh run [bench_model.py arguments...]   (carry .device-data; PYTHON=python3)
 #         -> writes <out-dir>/model-*-baseline.* and model-*-current.* and prints both tables
 set -euo pipefail
@@ -11,7 +11,9 @@ case "${1:-}" in
   prepare)
     rev="${2:?usage: scripts/ab_bench.sh prepare REV}"
     rm -rf .device-data/baseline && mkdir -p .device-data/baseline
-    git archive "$rev" | tar -x -C .device-data/baseline
+    # what bench_model.py runs, small enough to travel with the working tree (a call carries 64 MiB at most)
+    git archive "$rev" -- dsv3_jax pallas_kernels scripts configs pyproject.toml ':(exclude)dsv3_jax/assets' \
+      | tar -x -C .device-data/baseline
     echo "baseline $(git rev-parse --short "$rev") in .device-data/baseline"
     ;;
   run)
