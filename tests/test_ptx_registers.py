@@ -19,6 +19,7 @@ import pytest
 from jax._src.pallas.triton import lowering as triton_lowering
 
 from pallas_kernels.mla import mla_absorb_query, mla_decode_output, mla_decode_splits
+from pallas_kernels.norm import rms_norm_fp8
 from test_gpu_lowering import lowering_as_on_an_h200
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Pallas' Triton backend's own notice
@@ -120,3 +121,15 @@ def test_mla_absorb_query_and_decode_do_not_spill(batch, heads, fp8, tmp_path):
     for ir in irs:
         report = ptxas_report(ir, tmp_path)
         assert spilled_bytes(report) == 0, report
+
+
+@pytest.mark.parametrize("column_groups", [1, 7])
+def test_rms_norm_fp8_at_v3_width_does_not_spill(column_groups, tmp_path):
+    """The norm before V3's fp8 projections (7,168 columns after the residual add, quantized as act_quant does), in
+    one program a row and in seven: each program sums the whole row's squares, then scales its own chunks."""
+    def norm(x, residual, weight):
+        return rms_norm_fp8(x, weight, eps=1e-6, residual=residual, layer=jnp.int32(1), column_groups=column_groups)
+
+    (ir,) = triton_modules(norm, spec((1, 7168), F), spec((1, 7168), F), spec((LAYERS, 7168)))
+    report = ptxas_report(ir, tmp_path)
+    assert spilled_bytes(report) == 0, report
