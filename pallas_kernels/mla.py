@@ -455,6 +455,7 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
     _check_block(_OUTPUT, "block_b", block_b)
     if v_blocks < 1:
         fail(_OUTPUT, f"v_blocks={v_blocks} must be at least 1")
+    v_blocks = min(v_blocks, cdiv(v_dim, block_v))
     if q_latent.shape != (batch, heads, rank) or m.shape != (batch, splits, heads):
         fail(_OUTPUT, f"acc {acc.shape}, m {m.shape}, q_latent {q_latent.shape} {q_latent.dtype} and wkv_b "
                       f"{w.stack.dtype} do not match")
@@ -467,7 +468,7 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
     kernel = functools.partial(_output_kernel, batch=batch, splits=splits, value_row=per_head - v_dim,
                                per_head=per_head, v_dim=v_dim, scale=scale, block_b=block_b, block_v=block_v,
                                splits_padded=1 << max(0, (splits - 1).bit_length()), fp8=w.scale is not None,
-                               v_blocks=min(v_blocks, cdiv(v_dim, block_v)))
+                               v_blocks=v_blocks)
     (out,) = _per_head_launch(_OUTPUT, kernel, [((batch, heads, v_dim), q_latent.dtype)],
                               (cdiv(v_dim, block_v * v_blocks), cdiv(batch, block_b)), (num_warps, num_stages),
                               interpret,

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import (AMAX_FLOOR, BLOCK, FP8, FP8_MAX, exact_div, fail, interpret_in_shard_map, match_vma,
+from ._common import (AMAX_FLOOR, BLOCK, FP8, FP8_MAX, cdiv, exact_div, fail, interpret_in_shard_map, match_vma,
                       pow2_ceil, result, use_interpret, vma_union)
 from .reference import act_quant_ref
 from .rotary import rotate_ref, rotate_row
@@ -116,7 +116,7 @@ def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, r
     or None). Quantized rows are passed as (rows, W / 128, 128) views, so that a program scales and quantizes
     several 128-blocks at once."""
     chunks = columns // norm_chunk(columns)
-    per_group = -(-chunks // column_groups)
+    per_group = cdiv(chunks, column_groups)
     lead, width = x.shape[:-1], x.shape[-1]
     tile = (width,) if quantize is None else (width // BLOCK, BLOCK)
     rows = x.reshape(-1, *tile)
@@ -138,7 +138,7 @@ def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, r
                           summed=residual is not None, rope=None if rope is None else rope[2], quantize=quantize,
                           interpret=use_interpret(), per_group=per_group),
         out_shape=tuple(shapes),
-        grid=(m, -(-chunks // per_group)),
+        grid=(m, cdiv(chunks, per_group)),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=use_interpret(),
         name=_FN if rope is None else "latent_norm_rope",

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.model.cache import cache_window
 from pallas_kernels.mla import default_splits, mla_absorb_query, mla_decode_output, mla_decode_splits
-from profile_step import gpu_events
+import profile_step
 
 QUERY_TILES = [dict(block_c=c, num_warps=w) for c, w in itertools.product((128, 64, 32), (4, 2))]
 DECODE_TILES = [dict(block_t=t, num_warps=w) for t, w in itertools.product((64, 32, 16), (4, 2))]
@@ -67,20 +67,9 @@ def launch_us(name: str, per_layer, layers: int, repeats: int) -> float | str:
     """Mean GPU time of the kernel events called `name` while a jit of per_layer(layer) for each layer runs
     (or the first line of the error of a tiling that does not compile)."""
     try:
-        return _traced_us(name, per_layer, layers, repeats)
+        return profile_step.launch_us(name, per_layer, layers, repeats)
     except Exception as e:  # noqa: BLE001 -- a tiling Triton refuses is a result of the sweep
         return f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
-
-
-def _traced_us(name: str, per_layer, layers: int, repeats: int) -> float:
-    many = jax.jit(lambda: [per_layer(jnp.int32(layer)) for layer in range(layers)])
-    jax.block_until_ready(many())
-    jax.block_until_ready(many())
-    events = [e for e in gpu_events(lambda: [jax.block_until_ready(many()) for _ in range(repeats)])
-              if e["name"].startswith(name)]
-    if len(events) != layers * repeats:
-        raise RuntimeError(f"sweep_mla_tiles: {len(events)} '{name}' kernels traced, expected {layers * repeats}")
-    return sum(e["dur"] for e in events) / len(events)
 
 
 def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int, kernels: set[str],

@@ -6,7 +6,7 @@ What the model's decode steps run before each projection of DeepSeek-V3 (7,168 c
 1,024): `rms_norm` after the residual add (gemm_impl "bf16") and `rms_norm_fp8` (the normed rows also quantized
 as act_quant does, gemm_impl "fp8"). `column_groups` splits a row's second pass (scale, store, quantize) over
 that many programs, each of which sums the whole row's squares. One jit launches the norm once per layer of a
-stacked weight; the time is the kernel's duration from a profiler trace (`profile_step.gpu_events`), the first
+stacked weight; the time is the kernel's duration from a profiler trace (`profile_step.launch_us`), the first
 count of each form its default (1).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.norm import norm_chunk, rms_norm, rms_norm_fp8
-from profile_step import gpu_events
+from profile_step import launch_us
 
 
 def parse_args() -> argparse.Namespace:
@@ -32,17 +32,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def launch_us(per_layer, layers: int, repeats: int) -> float:
-    """Mean GPU time of the rms_norm kernels while a jit of per_layer(layer) for each layer runs."""
-    many = jax.jit(lambda: [per_layer(jnp.int32(layer)) for layer in range(layers)])
-    jax.block_until_ready(many())
-    events = [e for e in gpu_events(lambda: [jax.block_until_ready(many()) for _ in range(repeats)])
-              if e["name"].startswith("rms_norm")]
-    if len(events) != layers * repeats:
-        raise RuntimeError(f"sweep_norm: {len(events)} rms_norm kernels traced, expected {layers * repeats}")
-    return sum(e["dur"] for e in events) / len(events)
-
-
 def sweep(width: int, batch: int, groups: list[int], layers: int, repeats: int):
     """Yield a row per (form, column groups) at this batch."""
     keys = jax.random.split(jax.random.key(batch), 3)
@@ -53,7 +42,7 @@ def sweep(width: int, batch: int, groups: list[int], layers: int, repeats: int):
                                                   column_groups=g)}
     for form, norm in forms.items():
         for g in groups:
-            us = launch_us(lambda layer, g=g, norm=norm: norm(layer, g), layers, repeats)
+            us = launch_us("rms_norm", lambda layer, g=g, norm=norm: norm(layer, g), layers, repeats)
             yield dict(batch=batch, width=width, form=form, column_groups=g, us=us)
 
 
