@@ -10,6 +10,7 @@
     o = flash_attention(q, k, v, positions, scale=s, kv_start=0)  # causal prefill, no (S, T) scores
     w, i = route(logits, bias, topk=k, n_groups=g, topk_groups=kg, score_func="sigmoid")  # MoE routing
     y, h = rms_norm(x, weight, eps=1e-6, residual=r)              # RMSNorm of x + r, and x + r, one launch
+    y, h, logits = rms_norm(x, weight, eps=1e-6, residual=r, gate=wg)  # and the MoE gate's logits of y
     q, kv = projection.norm_project(x, [wq, wkv_a], norm=w)       # RMSNorm(x) W_i^T for each weight, one launch
 
 On an NVIDIA GPU the kernels compile through Pallas' Triton backend; on Hopper (sm_90) fp8_gemm at

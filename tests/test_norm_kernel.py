@@ -1,6 +1,6 @@
 """The one-launch RMSNorm kernels (`pallas_kernels.norm`: `rms_norm`, and `latent_norm_rope`, MLA's latent
-normed and its shared rotary key rotated from wkv_a's output) against float64 numpy (interpret mode on a
-CPU; compiled with -m gpu).
+normed and its shared rotary key rotated from wkv_a's output; the MoE gate's logits in the norm's launch) against
+float64 numpy (interpret mode on a CPU; compiled with -m gpu).
 
 Cases: V3's 7,168-wide rows (seven 1,024-column chunks: a chunk left out of the sum of squares moves
 every value by ~7 %) after the residual add, with a layer of a four-layer weight stack (a wrong layer's
@@ -102,6 +102,49 @@ def test_norm_in_column_groups_compiled_on_gpu():
     check_column_groups(7, seed=60)
 
 
+# (what, row width, experts, stacked, residual, rms_norm_fp8, column_groups, gate_groups)
+GATE_CASES = [("V2-Lite: 64 experts, 8 programs of 8", 2048, 64, True, True, False, 1, None),
+              ("V3 fp8: 256 experts in 4 programs, the row's chunks in 7", 7168, 256, True, True, True, 7, 4),
+              ("unstacked float32 rows, 32 experts in 32 programs", 1024, 32, False, False, False, 1, 32)]
+
+
+def check_gate(case, seed):
+    """The gate's logits from the norm's launch against float64 products of the kernel's own normed rows with the
+    gate's rows (a program reading another group's rows, or a chunk of the row left out, is O(1) / O(1/chunks)
+    off; float32 sums of a few thousand products stay within 1e-5 of the logits' scale), and the norm's other
+    results bit for bit those of the launch without the gate."""
+    _, width, experts, stacked, residual, fp8, column_groups, gate_groups = case
+    rng = np.random.default_rng(seed)
+    dtype = jnp.bfloat16 if residual else jnp.float32
+    x, r = (jnp.asarray(rng.standard_normal((5, width)) * scale, dtype) for scale in (3, 1))
+    w = rng.uniform(0.5, 1.5, (4, width) if stacked else (width,)).astype(np.float32)
+    gate = jnp.asarray(rng.standard_normal((4, experts, width) if stacked else (experts, width)) * width ** -0.5,
+                       jnp.bfloat16)
+    layer = jnp.int32(2) if stacked else None
+    norm = functools.partial(rms_norm_fp8 if fp8 else rms_norm, eps=EPS, residual=r if residual else None,
+                             layer=layer, column_groups=column_groups)
+    *got, logits = jax.jit(lambda x, w, g: norm(x, w, gate=g, gate_groups=gate_groups))(x, w, gate)
+    plain = jax.jit(norm)(x, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    normed = np.asarray(got[0], np.float64)
+    rows = np.asarray(gate[2] if stacked else gate, np.float64)
+    want = normed @ rows.T
+    assert logits.dtype == jnp.float32 and logits.shape == (5, experts)
+    np.testing.assert_allclose(np.asarray(logits, np.float64), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("case", GATE_CASES, ids=[c[0] for c in GATE_CASES])
+def test_norm_with_the_gate_matches_float64(case):
+    check_gate(case, seed=70 + GATE_CASES.index(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GATE_CASES[:2], ids=[c[0] for c in GATE_CASES[:2]])
+def test_norm_with_the_gate_compiled_on_gpu(case):
+    check_gate(case, seed=80 + GATE_CASES.index(case))
+
+
 def float64_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
     out = np.empty_like(x)
     real, imag = (x[..., 0::2], x[..., 1::2]) if interleaved else np.split(x, 2, axis=-1)
@@ -191,6 +234,12 @@ def test_norm_errors_name_the_argument():
         rms_norm(jnp.zeros((2, 100)), jnp.zeros((100,)), eps=EPS)
     with pytest.raises(ValueError, match=r"rms_norm: column_groups=8 must lie in \[1, 7\] \(the row's 7 chunks"):
         rms_norm(jnp.zeros((2, 7168)), jnp.zeros((7168,)), eps=EPS, column_groups=8)
+    with pytest.raises(ValueError, match=r"rms_norm: gate has shape \(64, 512\), expected \(experts, 576\)"):
+        rms_norm(x, jnp.zeros((576,)), eps=EPS, gate=jnp.zeros((64, 512)))
+    with pytest.raises(ValueError, match=r"gate_groups=3 must divide the gate's 64 experts into groups of a power"):
+        rms_norm(x, jnp.zeros((576,)), eps=EPS, gate=jnp.zeros((64, 576)), gate_groups=3)
+    with pytest.raises(ValueError, match=r"rms_norm: gate stacks 2 layers, the norm's weight 4"):
+        rms_norm(x, jnp.zeros((4, 576)), eps=EPS, layer=0, gate=jnp.zeros((2, 64, 576)))
     with pytest.raises(ValueError, match=r"rms_norm_fp8: rows of 576 \(a multiple of 128\)"):
         rms_norm_fp8(x, jnp.zeros((576,)), eps=EPS)
     angles = jnp.zeros((2, 32))

@@ -19,7 +19,7 @@ import pytest
 from jax._src.pallas.triton import lowering as triton_lowering
 
 from pallas_kernels.mla import mla_absorb_query, mla_decode_output, mla_decode_splits
-from pallas_kernels.norm import rms_norm_fp8
+from pallas_kernels.norm import rms_norm, rms_norm_fp8
 from test_gpu_lowering import lowering_as_on_an_h200
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Pallas' Triton backend's own notice
@@ -131,5 +131,19 @@ def test_rms_norm_fp8_at_v3_width_does_not_spill(column_groups, tmp_path):
         return rms_norm_fp8(x, weight, eps=1e-6, residual=residual, layer=jnp.int32(1), column_groups=column_groups)
 
     (ir,) = triton_modules(norm, spec((1, 7168), F), spec((1, 7168), F), spec((LAYERS, 7168)))
+    report = ptxas_report(ir, tmp_path)
+    assert spilled_bytes(report) == 0, report
+
+
+@pytest.mark.parametrize("width, experts, fp8", [(2048, 64, False), (7168, 256, True)])
+def test_rms_norm_with_the_gate_does_not_spill(width, experts, fp8, tmp_path):
+    """The norm before the MoE with the gate's logits in its launch, at V2-Lite's (bf16) and V3's (fp8) widths:
+    each program re-normalizes the row a gate chunk at a time against its share of the gate's rows."""
+    def norm(x, residual, weight, gate):
+        fn = rms_norm_fp8 if fp8 else rms_norm
+        return fn(x, weight, eps=1e-6, residual=residual, layer=jnp.int32(1), gate=gate)
+
+    (ir,) = triton_modules(norm, spec((1, width), F), spec((1, width), F), spec((LAYERS, width)),
+                           spec((LAYERS, experts, width), F))
     report = ptxas_report(ir, tmp_path)
     assert spilled_bytes(report) == 0, report
