@@ -43,9 +43,11 @@ class RunOptions:
                                "absorbed attention of single-token steps: XLA einsums or Pallas kernels (wkv_b "
                                "into the query, the latent cache read in place, the merge and wkv_b's value half; "
                                "auto: the kernels on a GPU)")
-    router: str = _choice("auto", ("auto", "xla", "kernel"),
+    router: str = _choice("auto", ("auto", "xla", "kernel", "norm-gate"),
                           "MoE routing after the gate GEMM (scores, group-limited top-k, weights): XLA ops or "
-                          "one Pallas kernel (auto: the kernel on a GPU for decode-sized steps)")
+                          "one Pallas kernel (auto: the kernel on a GPU for decode-sized steps); norm-gate: the "
+                          "kernel, with the gate GEMM inside the launch of the norm before the MoE where that norm "
+                          "runs as a Pallas kernel (decode-sized steps on a GPU)")
     prefill_attn: str = _choice("auto", ("auto", "kernel", "jnp", "dense"),
                                 "attention of multi-token steps (prefill chunks): flash attention over per-head "
                                 "keys and values, as the Mosaic GPU kernel or its portable jnp twin (online "

@@ -162,15 +162,19 @@ def test_auto_paths_equal_the_xla_model(built, auto_runs, weights, gemm_impl):
 
 def test_router_kernel_in_the_model(built, auto_runs):
     """router "auto" runs the one-launch Pallas router on the decode steps (ROUTER_AUTO) and "kernel" on
-    every step; both against the XLA routing (router "xla"), same weights."""
+    every step, "norm-gate" the gate's GEMM in the norm's launch where that norm is a kernel (decode steps: one
+    dot_general fewer than "kernel"); each against the XLA routing (router "xla"), same weights."""
     auto, xla = auto_runs("bf16", "bf16"), run_steps(variant(built("bf16"), router="xla"))
     kernel = run_steps(variant(built("bf16"), router="kernel"))
-    for (what, *_), (a, auto_text), (k, kernel_text), (w, xla_text), picked in zip(STEPS, auto, kernel, xla,
-                                                                                   ROUTER_AUTO, strict=True):
+    norm_gate = run_steps(variant(built("bf16"), router="norm-gate"))
+    for (what, _, seq, _), (a, auto_text), (k, kernel_text), (n, norm_text), (w, xla_text), picked in zip(
+            STEPS, auto, kernel, norm_gate, xla, ROUTER_AUTO, strict=True):
         assert kernel_text.count(TRITON) > xla_text.count(TRITON), f"{what}: no router kernel in the step"
         assert (auto_text.count(TRITON) > xla_text.count(TRITON)) == (picked == "kernel"), \
             f"{what}: router auto should run {picked}"
-        for name, g in (("auto", a), ("kernel", k)):
+        gate_gemms = kernel_text.count("stablehlo.dot_general") - norm_text.count("stablehlo.dot_general")
+        assert gate_gemms == (seq == 1), f"{what}: router norm-gate left {gate_gemms} fewer dot_generals"
+        for name, g in (("auto", a), ("kernel", k), ("norm-gate", n)):
             rel = np.linalg.norm(g - w) / np.linalg.norm(w)
             assert rel < TOL, f"{what}: router {name} vs XLA routing relative L2 {rel:.2e}"
 

@@ -118,3 +118,21 @@ def test_unrolled_decode_steps_lower_for_an_h200(built):
         # attn_norm, q_norm and ffn_norm a layer, then the final norm; kv_norm in mla_absorb_query's launch
         assert names["rms_norm"] == 3 * args.n_layers + 1, f"{what}: {dict(names)}"
         assert names["mla_absorb_query"] == args.n_layers and not names["latent_norm_rope"], f"{what}: {dict(names)}"
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_the_gate_in_the_norms_launch_lowers_for_an_h200(built, weights):
+    """router "norm-gate", the decode step unrolled: the norm before each MoE computes the gate's logits in its
+    launch (as many rms_norm launches as without, one route a MoE layer) and XLA's gate GEMM is gone (one
+    dot_general fewer a MoE layer than under router "kernel")."""
+    gemm_impl = "fp8" if weights == "fp8" else "bf16"
+    decode = [step for step in STEPS if step[2] == 1][:1]
+    texts = {router: lowered_steps(variant(built[weights], gemm_impl=gemm_impl, router=router), decode,
+                                   unroll=True)[0] for router in ("kernel", "norm-gate")}
+    args = built[weights].args
+    moe_layers = args.n_layers - args.n_dense_layers
+    names = {router: triton_kernels(text) for router, text in texts.items()}
+    assert names["norm-gate"]["rms_norm"] == names["kernel"]["rms_norm"] >= args.n_layers + 1, names
+    assert names["norm-gate"]["route"] == moe_layers, names
+    dots = {router: text.count("stablehlo.dot_general") for router, text in texts.items()}
+    assert dots["norm-gate"] == dots["kernel"] - moe_layers, dots

@@ -285,3 +285,39 @@ def test_the_models_norm_kernels_match_its_xla_norms(monkeypatch):
     for (g, jaxpr), (w, xla_jaxpr) in zip(got, want, strict=True):
         assert "name=rms_norm" in jaxpr and "name=latent_norm_rope" in jaxpr and "rms_norm" not in xla_jaxpr
         assert np.linalg.norm(g - w) / np.linalg.norm(w) < 2e-2
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_the_gate_in_the_norms_launch_routes_as_the_gate_gemm(monkeypatch, weights):
+    """router "norm-gate": the MoE gate's logits from the launch of the norm before the MoE (bf16 weights: the
+    norm's plain form; fp8 with gemm_impl "fp8": the quantizing form), against router "kernel" (XLA's gate GEMM,
+    the same routing kernel) on the small V3 model with the one-launch norms forced on (interpret mode): a decode
+    step and a two-token step agree to float32 summation order (relative L2 of the bf16 logits < 1e-3; a program
+    reading another group's gate rows routes tokens to other experts, ~0.1-1 off), and the norm-gate steps hold one
+    fewer dot_general a MoE layer (the gate's GEMM gone from XLA)."""
+    import dsv3_jax
+    from dsv3_jax.decode.step import make_step
+    from kernel_checks import KERNEL_MODULES, kernel_twins
+    from dsv3_jax.model import attention, block, layers, moe
+    from test_auto_paths_gpu import small_v3, step_inputs, variant, with_random_norms
+
+    base = with_random_norms(dsv3_jax.build(small_v3(weights), seed=0), ("attn_norm", "ffn_norm"))
+    steps = [(2, 1, 0), (2, 2, 1)]  # a decode step, a two-token step after it
+
+    def run(router):
+        model, out = variant(base, gemm_impl="fp8" if weights == "fp8" else "bf16", router=router), []
+        step = make_step.__wrapped__(model.parts)  # a fresh jit: traced under the patch
+        for seed, (batch, seq, start) in enumerate(steps):
+            tokens, starts, last, kv_len = step_inputs(model.args, batch, seq, start, seed)
+            jaxpr = str(step.trace(model.state, model.cache, tokens, starts, last, kv_len=kv_len).jaxpr)
+            logits, model.cache = step(model.state, model.cache, tokens, starts, last, kv_len=kv_len)
+            out.append((np.asarray(logits, np.float32), jaxpr.count("dot_general")))
+        return out
+
+    with kernel_twins(*(name for name in KERNEL_MODULES if name != "norm")), monkeypatch.context() as patch:
+        for module in (attention, block, layers, moe):
+            patch.setattr(module, "norm_kernel_applies", lambda rows: True)
+        want, got = run("kernel"), run("norm-gate")
+    for (g, g_dots), (w, w_dots) in zip(got, want, strict=True):
+        assert g_dots == w_dots - 1, (g_dots, w_dots)  # the layer scan's body: one MoE layer
+        assert np.linalg.norm(g - w) / np.linalg.norm(w) < 1e-3

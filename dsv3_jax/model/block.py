@@ -15,7 +15,7 @@ from ..config import ModelArgs
 from ..options import StepContext
 from .attention import MLA
 from .layers import RMSNorm, dequant_kernel_applies, norm_kernel_applies, projection_kernel_applies
-from .moe import MLP, MoE
+from .moe import MLP, MoE, gate_in_norm
 
 
 class Block(nnx.Module):
@@ -42,18 +42,28 @@ class Block(nnx.Module):
         with jax.named_scope("attention"):  # attn_norm inside: decode-sized steps run it in the projections' launch
             attn_out, entries = self.attn(x, ctx, cache, layer, stack_index, norm=self.attn_norm)
         with jax.named_scope("ffn_norm"):
-            normed, h, normed_fp8 = (
-                self.ffn_norm.with_fp8(x, residual=attn_out, layer=stack_index, scale_fmt=ctx.scale_fmt) if fp8
-                else (*self.ffn_norm(x, residual=attn_out, layer=stack_index), None))
+            normed, h, normed_fp8, logits = self._ffn_norm(x, attn_out, ctx, stack_index, fp8)
         expert_loads = None
         if isinstance(self.ffn, MoE):
-            ffn_out = self.ffn(normed, ctx, stack_index, loads=loads, x_fp8=normed_fp8)
+            ffn_out = self.ffn(normed, ctx, stack_index, loads=loads, x_fp8=normed_fp8, logits=logits)
             if loads:
                 ffn_out, expert_loads = ffn_out
         else:
             with jax.named_scope("mlp"):
                 ffn_out = self.ffn(normed, ctx, reduce=True, layer=stack_index, x_fp8=normed_fp8)
         return (h + ffn_out, entries, expert_loads) if loads else (h + ffn_out, entries)
+
+    def _ffn_norm(self, x, attn_out, ctx: StepContext, stack_index, fp8: bool) -> tuple:
+        """(normed h, h = x + attn_out, normed h's act_quant for the fp8 GEMMs or None, the MoE gate's logits of
+        normed h or None): the gate's GEMM inside the norm's launch where `gate_in_norm` says so."""
+        in_norm = isinstance(self.ffn, MoE) and gate_in_norm(ctx, x.shape[0] * x.shape[1])
+        norm = dict(residual=attn_out, layer=stack_index, gate=self.ffn.gate.weight[...] if in_norm else None)
+        if fp8:
+            out = self.ffn_norm.with_fp8(x, scale_fmt=ctx.scale_fmt, **norm)
+        else:
+            normed, h, *logits = self.ffn_norm(x, **norm)
+            out = (normed, h, None, *logits)
+        return out if in_norm else (*out, None)
 
 
 WHOLE_STACKS = ("experts", "shared_experts", "wkv_b")
@@ -66,6 +76,12 @@ NORM_STACKS = ("attn_norm", "ffn_norm", "q_norm", "kv_norm")
 # plain (not fp8) projections and their norms, read in place by the projections' one launch (`layers.project`,
 # decode-sized steps, `projection_kernel_applies`)
 PROJECTION_STACKS = ("wq", "wq_a", "wq_b", "wkv_a", "wo", "attn_norm", "q_norm")
+
+
+def _is_gate_weight(path, _) -> bool:
+    """The MoE gate's weight, read in place by the norm before the MoE where it computes the logits (`gate_in_norm`;
+    the gate's bias stays scanned over, for the router)."""
+    return tuple(path[-2:]) == ("gate", "weight")
 
 
 def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None, first_layer: int, *,
@@ -82,7 +98,8 @@ def run_stack(stack: Block, x: jnp.ndarray, ctx: StepContext, cache: dict | None
                         or dequant_kernel_applies(ctx.options.gemm_impl, rows))
     names = (WHOLE_STACKS + (FP8_GEMM_STACKS if in_place else ()) + (NORM_STACKS if norm_kernel_applies(rows) else ())
              + (PROJECTION_STACKS if projection_kernel_applies(rows, fp8) else ()))
-    graphdef, whole, rest = nnx.split(stack, nnx.Any(*map(nnx.PathContains, names)), ...)
+    gate = (_is_gate_weight,) if gate_in_norm(ctx, rows) else ()
+    graphdef, whole, rest = nnx.split(stack, nnx.Any(*map(nnx.PathContains, names), *gate), ...)
     depth = stack.attn_norm.weight.shape[0]  # every parameter has the layer axis; `rest` can be empty
 
     def one_layer(h, xs):

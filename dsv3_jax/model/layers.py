@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import FP8_BLOCK, FP8_DTYPE, act_quant, cdiv, fp8_gemm, grouped_gemm, use_interpret, weight_dequant
-from pallas_kernels.norm import norm_chunk, rms_norm, rms_norm_fp8
+from pallas_kernels.norm import gate_logits_ref, norm_chunk, rms_norm, rms_norm_fp8
 from pallas_kernels.projection import VECTOR_MAX_ROWS, norm_project
 
 from ..sharding import LOGICAL_AXES, Layout
@@ -138,34 +138,40 @@ class RMSNorm(nnx.Module):
         self.weight = param(jnp.ones((*stack, dim), jnp.float32), ("layers",) * len(stack) + (axis,))
 
     def __call__(self, x: jnp.ndarray, *, residual: jnp.ndarray | None = None, layer=None,
-                 columns: int | None = None):
+                 columns: int | None = None, gate: jnp.ndarray | None = None):
         """The norm of x's first `columns` (default: all of it); with `residual`, of h = x + residual,
         returned as (normed, h). `layer`: where the weight holds its whole layer stack (`run_stack` keeps
-        it so where the kernel reads it), the layer to use."""
+        it so where the kernel reads it), the layer to use. `gate`: the MoE gate's weight (E, dim), or its
+        stack; then the gate's float32 logits of the normed rows come last (in the kernel's launch)."""
         weight = self.weight[...]
         layer = layer if weight.ndim == 2 else None
         columns = columns or x.shape[-1]
         if norm_kernel_applies(math.prod(x.shape[:-1])) and norm_chunk(columns):
             return rms_norm(x, weight, eps=self.eps, residual=residual, layer=layer,
-                            columns=None if residual is not None else columns)
+                            columns=None if residual is not None else columns, gate=gate)
         h = x if residual is None else x + residual
         if layer is not None:
             weight = jax.lax.dynamic_index_in_dim(weight, layer, 0, keepdims=False)
         hf = h[..., :columns].astype(jnp.float32)
         hf = hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + self.eps)
         normed = (hf * weight.astype(jnp.float32)).astype(x.dtype)
-        return normed if residual is None else (normed, h)
+        out = (normed,) if residual is None else (normed, h)
+        out += () if gate is None else (gate_logits_ref(normed, gate, layer=layer),)
+        return out[0] if len(out) == 1 else out
 
     def with_fp8(self, x: jnp.ndarray, *, residual: jnp.ndarray | None = None, layer=None,
-                 scale_fmt: str | None = None) -> tuple:
+                 scale_fmt: str | None = None, gate: jnp.ndarray | None = None) -> tuple:
         """(normed, x + residual or None, the normed rows quantized as `act_quant(normed, scale_fmt=)` gives
-        them, for the fp8 GEMMs that read them, or None where the one-launch kernel does not run)."""
+        them, for the fp8 GEMMs that read them, or None where the one-launch kernel does not run); with `gate`
+        (as `__call__`'s), its logits fourth."""
         weight = self.weight[...]
         if norm_kernel_applies(math.prod(x.shape[:-1])) and x.shape[-1] % FP8_BLOCK == 0:
             return rms_norm_fp8(x, weight, eps=self.eps, residual=residual, layer=layer if weight.ndim == 2 else None,
-                                scale_fmt=scale_fmt)
-        out = self(x, residual=residual, layer=layer)
-        return (out, None, None) if residual is None else (*out, None)
+                                scale_fmt=scale_fmt, gate=gate)
+        out = self(x, residual=residual, layer=layer, gate=gate)
+        out = out if isinstance(out, tuple) else (out,)
+        out = out if residual is not None else (out[0], None, *out[1:])  # (normed, summed or None[, logits])
+        return (out[0], out[1], None, *out[2:])
 
 
 # steps of at most this many rows (decode, speculative verification) run an RMSNorm and the projections that read it

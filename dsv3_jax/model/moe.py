@@ -20,7 +20,7 @@ from pallas_kernels.router import route
 
 from ..config import ModelArgs
 from ..options import StepContext
-from .layers import Linear, init_normal, param, project
+from .layers import Linear, init_normal, norm_kernel_applies, param, project
 
 
 class MLP(nnx.Module):
@@ -73,16 +73,18 @@ class Gate(nnx.Module):
         self.bias = (param(jnp.zeros((*stack, args.n_routed_experts), jnp.float32), lead + ("router",))
                      if args.gate_bias else None)
 
-    def __call__(self, x: jnp.ndarray, router: str = "xla") -> tuple[jnp.ndarray, jnp.ndarray]:
+    def __call__(self, x: jnp.ndarray, router: str = "xla", logits: jnp.ndarray | None = None
+                 ) -> tuple[jnp.ndarray, jnp.ndarray]:
         """x (N, dim) -> (weights (N, k) float32, expert indices (N, k) int32).
 
-        The logits come from one float32 GEMM; the rest is `route_ref` in XLA (router "xla") or
-        the one-launch Pallas kernel `route` (router "kernel")."""
-        logits = jnp.dot(x.astype(jnp.float32), self.weight[...].astype(jnp.float32).T)
+        The logits come from one float32 GEMM (or are given: the norm's launch computed them, router
+        "norm-gate"); the rest is `route_ref` in XLA (router "xla") or the one-launch Pallas kernel `route`."""
+        if logits is None:
+            logits = jnp.dot(x.astype(jnp.float32), self.weight[...].astype(jnp.float32).T)
         bias = None if self.bias is None else self.bias[...]
         routing = dict(topk=self.topk, n_groups=self.n_groups, topk_groups=self.topk_groups,
                        score_func=self.score_func, route_scale=self.route_scale, normalize=self.normalize)
-        return (route if router == "kernel" else route_ref)(logits, bias, **routing)
+        return (route if router in ("kernel", "norm-gate") else route_ref)(logits, bias, **routing)
 
 
 def grouped_kernel_applies(in_dims: tuple[int, ...]) -> bool:
@@ -115,10 +117,21 @@ ROUTER_KERNEL_MAX_TOKENS = 32
 
 
 def router_impl(router: str, tokens: int) -> str:
-    """What `RunOptions.router` runs for a step of `tokens` tokens ("auto" resolved)."""
+    """What `RunOptions.router` runs for a step of `tokens` tokens ("auto" resolved; "norm-gate" the routing
+    kernel after XLA's gate GEMM where the norm before the MoE does not run as its kernel)."""
+    if router == "norm-gate" and not norm_kernel_applies(tokens):
+        return "kernel"
     if router != "auto":
         return router
     return "kernel" if jax.default_backend() == "gpu" and tokens <= ROUTER_KERNEL_MAX_TOKENS else "xla"
+
+
+def gate_in_norm(ctx: StepContext, tokens: int) -> bool:
+    """Whether the gate's logits of a step of `tokens` tokens come from the launch of the norm before the MoE
+    (router "norm-gate" where it applies): only where the experts' layout gathers no rows, so that the norm's rows
+    are the gate's."""
+    gathered, _ = ctx.layout.reduction("experts", "expert_ffn")
+    return router_impl(ctx.options.router, tokens) == "norm-gate" and not gathered
 
 
 def _fp8_activations(x: jnp.ndarray, scale_fmt: str | None, dtype) -> jnp.ndarray:
@@ -362,9 +375,11 @@ class MoE(nnx.Module):
                                    param_dtype=param_dtype, fp8=args.quantized, rngs=rngs, hidden="shared_ffn")
                                if args.n_shared_experts else None)
 
-    def __call__(self, x: jnp.ndarray, ctx: StepContext, stack_index=None, *, loads: bool = False, x_fp8=None):
+    def __call__(self, x: jnp.ndarray, ctx: StepContext, stack_index=None, *, loads: bool = False, x_fp8=None,
+                 logits=None):
         """-> the output, the shape of x; with `loads`, also the tokens each routed expert received (E,).
-        `x_fp8`: x's act_quant made already (by the norm before), used where no rows are gathered."""
+        `x_fp8`: x's act_quant made already (by the norm before), used where no rows are gathered; `logits`: the
+        gate's of x's rows, made by the norm before (`gate_in_norm`)."""
         layout = ctx.layout
         shape = x.shape
         local = x.reshape(-1, shape[-1])
@@ -378,7 +393,8 @@ class MoE(nnx.Module):
         local_fp8 = None if x_fp8 is None else tuple(a.reshape(local.shape[0], -1) for a in x_fp8)
         flat_fp8 = None if gathered else local_fp8
         with jax.named_scope("gate"):
-            weights, indices = self.gate(flat, router_impl(ctx.options.router, flat.shape[0]))
+            router = router_impl(ctx.options.router, flat.shape[0])
+            weights, indices = self.gate(flat, router, None if logits is None else logits.reshape(flat.shape[0], -1))
         if valid is not None:  # padding rows' tokens go to no expert (no rank reads an expert for them)
             indices = jnp.where(valid[:, None], indices, -1)
         shared_joins = self.shared_experts is not None and layout.reduction("shared_ffn") == (gathered, summed)
