@@ -77,17 +77,18 @@ def gpu_events(run) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and "gpu" in names.get(e.get("pid"), "").lower()]
 
 
-def launch_us(name: str, per_layer, layers: int, repeats: int) -> float:
+def launch_us(name: str | None, per_layer, layers: int, repeats: int) -> float:
     """Mean GPU time (µs) of the kernels whose names start with `name` while a jit of per_layer(layer) for each of
-    `layers` layers runs `repeats` times; each layer's launch reads its own layer of the stacks (cold in L2)."""
+    `layers` layers runs `repeats` times; each layer's launch reads its own layer of the stacks (cold in L2).
+    name None: every kernel of a layer's work together (several launches), a layer's mean."""
     many = jax.jit(lambda: [per_layer(jnp.int32(layer)) for layer in range(layers)])
     jax.block_until_ready(many())
     jax.block_until_ready(many())
     events = [e for e in gpu_events(lambda: [jax.block_until_ready(many()) for _ in range(repeats)])
-              if e["name"].startswith(name)]
-    if len(events) != layers * repeats:
+              if name is None or e["name"].startswith(name)]
+    if name is not None and len(events) != layers * repeats:
         raise RuntimeError(f"{len(events)} '{name}' kernels traced, expected {layers * repeats}")
-    return sum(e["dur"] for e in events) / len(events)
+    return sum(e["dur"] for e in events) / (layers * repeats)
 
 
 def parse_args() -> argparse.Namespace:
