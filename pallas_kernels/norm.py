@@ -93,9 +93,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.Array
         return (*out, gate_logits_ref(out[0], gate, layer=layer))
     out = _launch(x, weight, residual=residual, layer=layer, columns=columns, eps=eps, column_groups=column_groups,
                   gate=gate, gate_groups=gate_groups)
-    result_ = (out.normed,) if residual is None else (out.normed, out.summed)
-    result_ += () if gate is None else (out.logits,)
-    return result_[0] if len(result_) == 1 else result_
+    outs = (out.normed,) if residual is None else (out.normed, out.summed)
+    outs += () if gate is None else (out.logits,)
+    return outs[0] if len(outs) == 1 else outs
 
 
 def rms_norm_fp8(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.Array | None = None, layer=None,
@@ -147,10 +147,10 @@ class _Outputs(NamedTuple):
 
 
 def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, rope=None, quantize=None,
-            column_groups: int = 1, gate=None, gate_groups: int = 1) -> _Outputs:
-    """The kernel over x's rows, max(column groups, gate_groups) programs a row: the normed rows, and x + residual,
-    the rotated x[..., columns:], the normed rows quantized (`quantize`: "e4m3", or "ue8m0" for power-of-two
-    scales) and the gate's logits where asked for. Quantized rows are passed as (rows, W / 128, 128) views (the
+            column_groups: int = 1, gate=None, gate_groups: int = 0) -> _Outputs:
+    """The kernel over x's rows, max(column groups, gate_groups) programs a row (gate_groups 0: no gate, as
+    `_check_gate` gives it): the normed rows, and x + residual, the rotated x[..., columns:], the normed rows
+    quantized (`quantize`: "e4m3", or "ue8m0" for power-of-two scales) and the gate's logits where asked for. Quantized rows are passed as (rows, W / 128, 128) views (the
     gate as (L, E, W / 128, 128)), so that a program scales and quantizes several 128-blocks at once."""
     chunks = columns // norm_chunk(columns)
     per_group = cdiv(chunks, column_groups)
@@ -175,14 +175,14 @@ def _launch(x, weight, *, residual=None, layer=None, columns: int, eps: float, r
     shapes += [] if quantize is None else [result(rows.shape, FP8, vma),
                                            result((m, width // BLOCK, 1), jnp.float32, vma)]
     shapes += [] if gate is None else [result((m, experts), jnp.float32, vma)]
-    gate_experts = experts // gate_groups if gate is not None else 0
+    gate_experts = experts // gate_groups if gate_groups else 0
     outs = list(pl.pallas_call(
         functools.partial(_kernel, columns=columns, chunk=norm_chunk(columns), eps=float(eps),
                           summed=residual is not None, rope=None if rope is None else rope[2], quantize=quantize,
                           interpret=use_interpret(), per_group=per_group, gate_experts=gate_experts,
-                          gate_groups=gate_groups if gate is not None else 0),
+                          gate_groups=gate_groups),
         out_shape=tuple(shapes),
-        grid=(m, max(cdiv(chunks, per_group), gate_groups if gate is not None else 1)),
+        grid=(m, max(cdiv(chunks, per_group), gate_groups)),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=use_interpret(),
         name=_FN if rope is None else "latent_norm_rope",
