@@ -69,7 +69,7 @@ def norm_chunk(columns: int) -> int:
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.Array | None = None, layer=None,
-             columns: int | None = None, column_groups: int = 1, gate: jax.Array | None = None,
+             columns: int | None = None, column_groups: int | None = None, gate: jax.Array | None = None,
              gate_groups: int | None = None):
     """RMSNorm of x (..., W) over its last axis, or over its first `columns` (read in place).
 
@@ -77,10 +77,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.Array
     result is (normed (..., W), x + residual (..., W) in x's dtype), else normed (..., C) in x's dtype.
     column_groups: programs a row, each summing the row's squares and scaling its share of the row's chunks
     (`norm_chunk` columns each; at most one group a chunk): a wide row's second pass split over several SMs.
+    Default: one a chunk (V3's 7,168 columns in 7 programs took under half the one-program time).
     gate: the MoE gate's weight (E, W), or a stack (L, E, W) read at `layer`, for whole rows; then the gate's
     float32 logits of the normed rows (..., E) come last in the result. gate_groups: programs a row sharing the
     experts (E / gate_groups a power of two; default: GATE_EXPERTS experts each).
     """
+    column_groups = _chunks(x, columns) if column_groups is None else column_groups
     columns = _check(x, weight, residual, layer, columns, column_groups)
     gate_groups = _check_gate(gate, x, weight, columns, gate_groups)
     interpret = use_interpret()
@@ -99,11 +101,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.Array
 
 
 def rms_norm_fp8(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.Array | None = None, layer=None,
-                 scale_fmt: str | None = None, column_groups: int = 1, gate: jax.Array | None = None,
+                 scale_fmt: str | None = None, column_groups: int | None = None, gate: jax.Array | None = None,
                  gate_groups: int | None = None):
     """`rms_norm` of whole rows, and the normed rows (in x's dtype) quantized as `act_quant(normed, scale_fmt=)`
     gives them: (normed, x + residual or None, (e4m3 values, float32 scales (..., W / 128))). W a multiple of 128.
     column_groups, gate, gate_groups: as `rms_norm`'s (with `gate`, its logits come fourth)."""
+    column_groups = _chunks(x, None) if column_groups is None else column_groups
     columns = _check(x, weight, residual, layer, None, column_groups)
     if columns % BLOCK or scale_fmt not in (None, "ue8m0"):
         fail("rms_norm_fp8", f"rows of {columns} (a multiple of {BLOCK}) and scale_fmt None or 'ue8m0' needed, "
@@ -312,6 +315,13 @@ def _quantize_blocks(normed, at, *, q_refs, row, ue8m0, interpret):
     s = pow2_ceil(s) if ue8m0 else s
     plgpu.store(y_ref.at[(row, *at)], exact_div(v, s, interpret).astype(FP8))
     plgpu.store(s_ref.at[row, at[0], :], s)
+
+
+def _chunks(x, columns: int | None) -> int:
+    """The `norm_chunk` chunks of x's first `columns` (all of a row: None); 1 where there are none (left to _check)."""
+    columns = (x.shape[-1] if x.ndim else 0) if columns is None else columns
+    chunk = norm_chunk(columns) if columns > 0 else 0
+    return columns // chunk if chunk else 1
 
 
 def _check(x, weight, residual, layer, columns, column_groups: int = 1) -> int:
