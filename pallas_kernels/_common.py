@@ -156,6 +156,28 @@ def exact_div(x: jax.Array, y: jax.Array, interpret: bool) -> jax.Array:
     return q
 
 
+def launch_dependents(program: jax.Array) -> jax.Array:
+    """`program` (an int32 program id), after this program has let the kernels queued behind this launch start.
+
+    XLA launches its kernels and these with programmatic dependent launch on Hopper, each waiting at its start
+    (`griddepcontrol.wait`) until the launch before it has finished and its writes are visible. Without a
+    trigger the next launch begins only as this one's programs exit; with PTX `griddepcontrol.launch_dependents`
+    here it begins once every program of this launch has started, so its launch and scheduling overlap this
+    one's work. The instruction has no result: it runs inside an inline-asm copy of `program`, which the kernel
+    then indexes with, so that it stays in the kernel. Elsewhere (interpret mode, GPUs before Hopper): program.
+    """
+    if use_interpret() or not hopper():
+        return program
+    [copy] = plgpu.elementwise_inline_asm(
+        "griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;",
+        args=[jnp.full((1,), program, jnp.int32)],
+        constraints="=r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)],
+    )
+    return jnp.sum(copy)
+
+
 def pow2_ceil(s: jax.Array) -> jax.Array:
     """2**ceil(log2(s)) for positive normal float32 s, exactly, by bit arithmetic.
 

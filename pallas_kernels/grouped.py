@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import (BLOCK, FP8, SHARED_MEMORY_BYTES, cdiv, fail, hopper, interpret_in_shard_map, match_vma, result,
-                      use_interpret, vma_union)
+from ._common import (BLOCK, FP8, SHARED_MEMORY_BYTES, cdiv, fail, hopper, interpret_in_shard_map, launch_dependents,
+                      match_vma, result, use_interpret, vma_union)
 from .grouped_mgpu import MOSAIC_AUTO_FP8, MOSAIC_MIN_ROWS, MosaicTiles, grouped_gemm_mgpu, mosaic_supports
 from .reference import grouped_gemm_ref, grouped_gemm_swiglu_ref  # noqa: F401 (re-exported)
 
@@ -515,7 +515,7 @@ def _kernel(*refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, ze
     (n_weights, if `shared_axis`), the scales of both (if fp8), row_scale (if given; with `slots` the routed
     rows' only), the zeroed output buffer (aliased to the output; not with zero_missing, where a tile that
     does not exist stores zeros over its rows), then the output."""
-    tile, j = pl.program_id(0), pl.program_id(1)
+    tile, j = launch_dependents(pl.program_id(0)), pl.program_id(1)
     if slots is None:
         (sched_ref, x_ref), refs = refs[:2], refs[2:]
         info = _scheduled_tile(sched_ref, tile)

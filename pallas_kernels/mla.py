@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import BLOCK, FP8, cdiv, fail, interpret_in_shard_map, match_vma, num_sms, result, use_interpret, vma_union
+from ._common import (BLOCK, FP8, cdiv, fail, interpret_in_shard_map, launch_dependents, match_vma, num_sms, result,
+                      use_interpret, vma_union)
 from .norm import latent_norm_rope_ref
 from .rotary import rotate_ref, rotate_rows
 from .reference import weight_dequant_ref
@@ -134,7 +135,7 @@ def default_splits(batch: int, heads: int, kv_len: int, block_t: int, block_h: i
 
 def _kernel(layer_ref, lengths_ref, q_ref, qpe_ref, kv_ref, pe_ref, acc_ref, m_ref, l_ref, *, heads, chunk, block_t,
             block_h, scale, kv_len):
-    b, hb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, hb, split = launch_dependents(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     layer, length = layer_ref[0], jnp.minimum(lengths_ref[b], kv_len)
     head_ok = hb * block_h + jnp.arange(block_h) < heads
     hs = pl.ds(hb * block_h, block_h)
@@ -364,7 +365,7 @@ def _query_kernel(layer_ref, q_ref, w_ref, *refs, batch, nope, per_head, rank, b
     cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if interleaved is not None else (None, None)
     kv_ref, nw_ref = (refs.pop(0), refs.pop(0)) if eps is not None else (None, None)
     o_ref, *pe_refs = refs
-    h, cb, bb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    h, cb, bb = launch_dependents(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     row_ok = bb * block_b + jnp.arange(block_b) < batch
     bs = pl.ds(bb * block_b, block_b)
@@ -512,7 +513,7 @@ def _output_kernel(layer_ref, acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_
                    value_row, per_head, v_dim, scale, block_b, block_v, splits_padded, fp8, v_blocks):
     """The rows' latents merged once, then projected through each of the program's V blocks."""
     s_ref, o_ref = refs if fp8 else (None, *refs)
-    h, vg, bb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    h, vg, bb = launch_dependents(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     row_ok = bb * block_b + jnp.arange(block_b) < batch
     bs = pl.ds(bb * block_b, block_b)
     latent = _merged_latent(acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, h=h, bs=bs, row_ok=row_ok,

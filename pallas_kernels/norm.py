@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import (AMAX_FLOOR, BLOCK, FP8, FP8_MAX, cdiv, exact_div, fail, interpret_in_shard_map, match_vma,
-                      pow2_ceil, result, use_interpret, vma_union)
+from ._common import (AMAX_FLOOR, BLOCK, FP8, FP8_MAX, cdiv, exact_div, fail, interpret_in_shard_map, launch_dependents,
+                      match_vma, pow2_ceil, result, use_interpret, vma_union)
 from .reference import act_quant_ref
 from .rotary import rotate_ref, rotate_row
 
@@ -213,7 +213,7 @@ def _kernel(layer_ref, x_ref, *refs, columns, chunk, eps, summed, rope, quantize
     o_ref = refs.pop(0)
     sum_ref = refs.pop(0) if summed else None
     logits_ref = refs.pop() if gate_groups else None
-    row, group, layer = pl.program_id(0), pl.program_id(1), layer_ref[0]
+    row, group, layer = launch_dependents(pl.program_id(0)), pl.program_id(1), layer_ref[0]
     load = _chunk_loader(x_ref, res_ref, row)
     blocked = quantize is not None
     chunks = [_chunk_at(c, chunk, blocked=blocked) for c in range(columns // chunk)]

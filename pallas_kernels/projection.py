@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import (AMAX_FLOOR, BLOCK, FP8, FP8_MAX, cdiv, exact_div, fail, interpret_in_shard_map, match_vma,
-                      pow2_ceil, result, use_interpret, vma_union)
+from ._common import (AMAX_FLOOR, BLOCK, FP8, FP8_MAX, cdiv, exact_div, fail, interpret_in_shard_map, launch_dependents,
+                      match_vma, pow2_ceil, result, use_interpret, vma_union)
 from .norm import rms_norm_ref
 from .reference import act_quant_ref, fp8_gemm_ref, weight_dequant_ref
 
@@ -176,7 +176,7 @@ def _kernel(layer_ref, x_ref, *refs, plan: Plan, m, eps, normed, fp8, quantize, 
     norm_ref = refs.pop(0) if normed else None
     count = len(plan.widths)
     w_refs, s_refs, o_refs = refs[:count], (refs[count:2 * count] if fp8 else [None] * count), refs[-count:]
-    p, r = pl.program_id(0), pl.program_id(1)
+    p, r = launch_dependents(pl.program_id(0)), pl.program_id(1)
     if plan.vector:
         rows, row_ok = tuple(range(m)), None
     else:

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import cdiv, fail, interpret_in_shard_map, match_vma, pow2_at_most, result, use_interpret, vma_union
+from ._common import (cdiv, fail, interpret_in_shard_map, launch_dependents, match_vma, pow2_at_most, result,
+                      use_interpret, vma_union)
 from .reference import route_ref
 
 _FN = "route"
@@ -67,8 +68,9 @@ def route(logits: jax.Array, bias: jax.Array | None = None, *, topk: int, n_grou
 def _kernel(logits_ref, *refs, m, experts, rows, k_padded, has_bias, topk, n_groups, topk_groups, score_func,
             route_scale, normalize):
     bias_ref, weights_ref, indices_ref = refs if has_bias else (None, *refs)
-    block = pl.ds(pl.program_id(0) * rows, rows)
-    row_ok = pl.program_id(0) * rows + jnp.arange(rows) < m
+    program = launch_dependents(pl.program_id(0))
+    block = pl.ds(program * rows, rows)
+    row_ok = program * rows + jnp.arange(rows) < m
     padded = logits_ref.shape[1]
     column = jax.lax.broadcasted_iota(jnp.int32, (rows, padded), 1)
     real = column < experts

@@ -43,7 +43,7 @@ def lowering_as_on_an_h200():
         patch.setattr(jax, "default_backend", lambda: "gpu")
         patch.setattr(triton_registration.gpu_info_lib, "get_gpu_info",
                       lambda: SimpleNamespace(compute_capability=90))
-        for name in ("gemm", "flash_attention", "grouped"):
+        for name in ("_common", "gemm", "flash_attention", "grouped"):
             patch.setattr(importlib.import_module(f"pallas_kernels.{name}"), "hopper", lambda: True)
         yield
     jax.clear_caches()

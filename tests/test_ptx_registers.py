@@ -147,3 +147,36 @@ def test_rms_norm_with_the_gate_does_not_spill(width, experts, fp8, tmp_path):
                            spec((LAYERS, experts, width), F))
     report = ptxas_report(ir, tmp_path)
     assert spilled_bytes(report) == 0, report
+
+
+def test_decode_kernels_let_the_next_launch_start_early(tmp_path):
+    """Every Triton kernel of a decode step (plain weights, V3's architecture at test_auto_paths_gpu.py's small size)
+    issues griddepcontrol.launch_dependents, so that the launch after it begins once all its programs run; and the
+    instruction survives to the PTX ptxas assembles for sm_90a (shown on the norm, the step's most frequent launch)."""
+    import dsv3_jax
+    from dsv3_jax.decode.step import make_step
+    from test_auto_paths_gpu import small_v3, step_inputs
+
+    model = dsv3_jax.build(small_v3("bf16"), seed=0)
+    tokens, starts, last, kv_len = step_inputs(model.args, 2, 1, 300, seed=0)
+    modules, lower = {}, triton_lowering.lower_jaxpr_to_triton_module
+
+    def capture(jaxpr, *a, **k):
+        result = lower(jaxpr, *a, **k)
+        modules[jaxpr.debug_info.func_name] = result.module.operation.get_asm()
+        return result
+
+    with lowering_as_on_an_h200(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", capture)
+        step = make_step.__wrapped__(model.parts)
+        step.trace(model.state, model.cache, tokens, starts, last, kv_len=kv_len).lower(lowering_platforms=("cuda",))
+    trigger = "griddepcontrol.launch_dependents"
+    assert {"rms_norm", "norm_project", "mla_absorb_query", "mla_decode", "mla_decode_output", "route",
+            "grouped_gemm_swiglu", "grouped_gemm"} <= set(modules), sorted(modules)
+    assert not [name for name, ir in modules.items() if trigger not in ir], sorted(modules)
+    from triton.backends.compiler import GPUTarget
+
+    path = tmp_path / "norm.ttir"
+    path.write_text(modules["rms_norm"])
+    ptx = triton.compile(str(path), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+    assert trigger in ptx.asm["ptx"]
