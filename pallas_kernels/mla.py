@@ -513,7 +513,7 @@ def _output_kernel(layer_ref, acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_
                    value_row, per_head, v_dim, scale, block_b, block_v, splits_padded, fp8, v_blocks):
     """The rows' latents merged once, then projected through each of the program's V blocks."""
     s_ref, o_ref = refs if fp8 else (None, *refs)
-    h, vg, bb = launch_dependents(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
+    h, vg, bb = pl.program_id(0), pl.program_id(1), launch_dependents(pl.program_id(2))
     row_ok = bb * block_b + jnp.arange(block_b) < batch
     bs = pl.ds(bb * block_b, block_b)
     latent = _merged_latent(acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, h=h, bs=bs, row_ok=row_ok,
