@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import (BLOCK, FP8, cdiv, check_dtype, check_last_dim, check_out_dtype, fail, hopper,
-                      interpret_in_shard_map, match_vma, num_sms, result, rows, use_interpret,
+                      interpret_in_shard_map, launch_dependents, match_vma, num_sms, result, rows, use_interpret,
                       vma_union)
 from .gemm_mgpu import MosaicGemmConfig, fp8_gemm_mosaic_2d, mosaic_unsupported
 from .reference import fp8_gemm_ref
@@ -260,7 +260,7 @@ def _fp8_gemm_2d(a, a_s, b, b_s, layer, out_dtype, cfg: GemmConfig, interpret: b
 
 def _kernel(layer_ref, a_ref, as_ref, b_ref, bs_ref, o_ref, *, m, n, bn, kbp, mma_dtype):
     bm = a_ref.shape[0]
-    i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, j, split = pl.program_id(0), launch_dependents(pl.program_id(1)), pl.program_id(2)
     layer = layer_ref[0]
     # Rows of A / B past the edge are not loaded; the garbage they leave in registers only
     # reaches output rows / columns that are masked at the store.

@@ -18,8 +18,11 @@ import jax.numpy as jnp
 import pytest
 from jax._src.pallas.triton import lowering as triton_lowering
 
+import dsv3_jax
+from dsv3_jax.decode.step import make_step
 from pallas_kernels.mla import mla_absorb_query, mla_decode_output, mla_decode_splits
 from pallas_kernels.norm import rms_norm, rms_norm_fp8
+from test_auto_paths_gpu import small_v3, step_inputs, variant
 from test_gpu_lowering import lowering_as_on_an_h200
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Pallas' Triton backend's own notice
@@ -53,15 +56,20 @@ def triton_cache_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
 
 
-def ptxas_report(ir: str, tmp_path, num_warps: int = 4) -> str:
-    """ptxas -v's lines for one Triton module compiled for sm_90a."""
+def ptx_for_sm90(ir: str, tmp_path, num_warps: int = 4) -> str:
+    """One Triton module compiled to PTX for sm_90 by the `triton` package."""
     from triton.backends.compiler import GPUTarget
 
     path = tmp_path / "kernel.ttir"
     path.write_text(ir)
-    kernel = triton.compile(str(path), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
-                                                                                       num_stages=1))
-    (tmp_path / "kernel.ptx").write_text(kernel.asm["ptx"])
+    return triton.compile(str(path), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=1)).asm["ptx"]
+
+
+def ptxas_report(ir: str, tmp_path, num_warps: int = 4) -> str:
+    """ptxas -v's lines for one Triton module compiled for sm_90a."""
+    ptx = ptx_for_sm90(ir, tmp_path, num_warps)
+    (tmp_path / "kernel.ptx").write_text(ptx)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     done = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(tmp_path / "kernel.ptx"), "-o", os.devnull],
                           capture_output=True, text=True, check=True)
@@ -149,34 +157,35 @@ def test_rms_norm_with_the_gate_does_not_spill(width, experts, fp8, tmp_path):
     assert spilled_bytes(report) == 0, report
 
 
-def test_decode_kernels_let_the_next_launch_start_early(tmp_path):
-    """Every Triton kernel of a decode step (plain weights, V3's architecture at test_auto_paths_gpu.py's small size)
-    issues griddepcontrol.launch_dependents, so that the launch after it begins once all its programs run; and the
-    instruction survives to the PTX ptxas assembles for sm_90a (shown on the norm, the step's most frequent launch)."""
-    import dsv3_jax
-    from dsv3_jax.decode.step import make_step
-    from test_auto_paths_gpu import small_v3, step_inputs
+TRIGGER = "griddepcontrol.launch_dependents"
 
-    model = dsv3_jax.build(small_v3("bf16"), seed=0)
+
+def decode_step_modules(weights: str, **options) -> dict[str, list[str]]:
+    """The Triton IR of each Pallas kernel of test_auto_paths_gpu.py's small V3 model's decode step (b=2), by name."""
+    model = variant(dsv3_jax.build(small_v3(weights), seed=0), **options)
     tokens, starts, last, kv_len = step_inputs(model.args, 2, 1, 300, seed=0)
     modules, lower = {}, triton_lowering.lower_jaxpr_to_triton_module
 
     def capture(jaxpr, *a, **k):
         result = lower(jaxpr, *a, **k)
-        modules[jaxpr.debug_info.func_name] = result.module.operation.get_asm()
+        modules.setdefault(jaxpr.debug_info.func_name, []).append(result.module.operation.get_asm())
         return result
 
     with lowering_as_on_an_h200(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", capture)
         step = make_step.__wrapped__(model.parts)
         step.trace(model.state, model.cache, tokens, starts, last, kv_len=kv_len).lower(lowering_platforms=("cuda",))
-    trigger = "griddepcontrol.launch_dependents"
+    return modules
+
+
+def test_decode_kernels_let_the_next_launch_start_early(tmp_path):
+    """Every Triton kernel of a decode step with plain weights, and the fp8 GEMM of one with fp8 weights (gemm_impl
+    fp8), issues griddepcontrol.launch_dependents, so that the launch after it begins once all its programs run;
+    the instruction survives to the PTX ptxas assembles for sm_90a (shown on the norm, the most frequent launch)."""
+    modules = decode_step_modules("bf16")
     assert {"rms_norm", "norm_project", "mla_absorb_query", "mla_decode", "mla_decode_output", "route",
             "grouped_gemm_swiglu", "grouped_gemm"} <= set(modules), sorted(modules)
-    assert not [name for name, ir in modules.items() if trigger not in ir], sorted(modules)
-    from triton.backends.compiler import GPUTarget
-
-    path = tmp_path / "norm.ttir"
-    path.write_text(modules["rms_norm"])
-    ptx = triton.compile(str(path), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
-    assert trigger in ptx.asm["ptx"]
+    assert not [name for name, irs in modules.items() for ir in irs if TRIGGER not in ir], sorted(modules)
+    fp8_gemms = decode_step_modules("fp8", gemm_impl="fp8")["fp8_gemm"]
+    assert all(TRIGGER in ir for ir in fp8_gemms), len(fp8_gemms)
+    assert TRIGGER in ptx_for_sm90(modules["rms_norm"][0], tmp_path)
