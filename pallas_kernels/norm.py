@@ -77,13 +77,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.Array
     result is (normed (..., W), x + residual (..., W) in x's dtype), else normed (..., C) in x's dtype.
     column_groups: programs a row, each summing the row's squares and scaling its share of the row's chunks
     (`norm_chunk` columns each; at most one group a chunk): a wide row's second pass split over several SMs.
-    Default: one a chunk (V3's 7,168 columns in 7 programs took under half the one-program time).
+    Default (None): one a chunk, the faster form at V3's width (benchmarks/NOTES.md).
     gate: the MoE gate's weight (E, W), or a stack (L, E, W) read at `layer`, for whole rows; then the gate's
     float32 logits of the normed rows (..., E) come last in the result. gate_groups: programs a row sharing the
     experts (E / gate_groups a power of two; default: GATE_EXPERTS experts each).
     """
-    column_groups = _chunks(x, columns) if column_groups is None else column_groups
-    columns = _check(x, weight, residual, layer, columns, column_groups)
+    columns, column_groups = _check(x, weight, residual, layer, columns, column_groups)
     gate_groups = _check_gate(gate, x, weight, columns, gate_groups)
     interpret = use_interpret()
     operands = (x,) + (() if residual is None else (residual,)) + (() if gate is None else (gate,))
@@ -106,8 +105,7 @@ def rms_norm_fp8(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.A
     """`rms_norm` of whole rows, and the normed rows (in x's dtype) quantized as `act_quant(normed, scale_fmt=)`
     gives them: (normed, x + residual or None, (e4m3 values, float32 scales (..., W / 128))). W a multiple of 128.
     column_groups, gate, gate_groups: as `rms_norm`'s (with `gate`, its logits come fourth)."""
-    column_groups = _chunks(x, None) if column_groups is None else column_groups
-    columns = _check(x, weight, residual, layer, None, column_groups)
+    columns, column_groups = _check(x, weight, residual, layer, None, column_groups)
     if columns % BLOCK or scale_fmt not in (None, "ue8m0"):
         fail("rms_norm_fp8", f"rows of {columns} (a multiple of {BLOCK}) and scale_fmt None or 'ue8m0' needed, "
                              f"got scale_fmt={scale_fmt!r}")
@@ -317,14 +315,8 @@ def _quantize_blocks(normed, at, *, q_refs, row, ue8m0, interpret):
     plgpu.store(s_ref.at[row, at[0], :], s)
 
 
-def _chunks(x, columns: int | None) -> int:
-    """The `norm_chunk` chunks of x's first `columns` (all of a row: None); 1 where there are none (left to _check)."""
-    columns = (x.shape[-1] if x.ndim else 0) if columns is None else columns
-    chunk = norm_chunk(columns) if columns > 0 else 0
-    return columns // chunk if chunk else 1
-
-
-def _check(x, weight, residual, layer, columns, column_groups: int = 1) -> int:
+def _check(x, weight, residual, layer, columns, column_groups: int | None = 1) -> tuple[int, int]:
+    """(the normed columns, the programs a row: `column_groups`, or None for one a chunk), after checking them."""
     if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
         fail(_FN, f"x must be a float array (..., W), got {x.dtype} {x.shape}")
     width = x.shape[-1]
@@ -340,10 +332,11 @@ def _check(x, weight, residual, layer, columns, column_groups: int = 1) -> int:
     if not norm_chunk(columns):
         fail(_FN, f"columns={columns} has no power-of-two factor of at least 16 (a Triton tile)")
     chunks = columns // norm_chunk(columns)
+    column_groups = chunks if column_groups is None else column_groups
     if not 1 <= column_groups <= chunks:
         fail(_FN, f"column_groups={column_groups} must lie in [1, {chunks}] (the row's {chunks} chunks of "
                   f"{norm_chunk(columns)} columns)")
-    return columns
+    return columns, column_groups
 
 
 def _check_gate(gate, x, weight, columns: int, gate_groups: int | None) -> int:

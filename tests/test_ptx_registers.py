@@ -9,6 +9,7 @@ and assembled by the ptxas it ships, whose report must show no spill stores. Not
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -19,11 +20,10 @@ import pytest
 from jax._src.pallas.triton import lowering as triton_lowering
 
 import dsv3_jax
-from dsv3_jax.decode.step import make_step
 from pallas_kernels.mla import mla_absorb_query, mla_decode_output, mla_decode_splits
 from pallas_kernels.norm import rms_norm, rms_norm_fp8
-from test_auto_paths_gpu import small_v3, step_inputs, variant
-from test_gpu_lowering import lowering_as_on_an_h200
+from test_auto_paths_gpu import STEPS, small_v3, variant
+from test_gpu_lowering import lowered_steps, lowering_as_on_an_h200
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Pallas' Triton backend's own notice
 triton = pytest.importorskip("triton")
@@ -35,19 +35,26 @@ def spec(shape, dtype=jnp.float32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def triton_modules(fn, *args) -> list:
-    """The Triton IR of every Pallas kernel that fn(*args) launches, lowered for an H200."""
+@contextlib.contextmanager
+def captured_triton_modules():
+    """Yields a list that fills with (kernel name, Triton IR) for each Pallas kernel lowered while open."""
     modules, lower = [], triton_lowering.lower_jaxpr_to_triton_module
 
-    def capture(*a, **k):
-        result = lower(*a, **k)
-        modules.append(result.module.operation.get_asm())
+    def capture(jaxpr, *a, **k):
+        result = lower(jaxpr, *a, **k)
+        modules.append((jaxpr.debug_info.func_name, result.module.operation.get_asm()))
         return result
 
-    with lowering_as_on_an_h200(), pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", capture)
+        yield modules
+
+
+def triton_modules(fn, *args) -> list:
+    """The Triton IR of every Pallas kernel that fn(*args) launches, lowered for an H200."""
+    with lowering_as_on_an_h200(), captured_triton_modules() as modules:
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    return modules
+    return [ir for _, ir in modules]
 
 
 @pytest.fixture(autouse=True)
@@ -162,19 +169,12 @@ TRIGGER = "griddepcontrol.launch_dependents"
 
 def decode_step_modules(weights: str, **options) -> dict[str, list[str]]:
     """The Triton IR of each Pallas kernel of test_auto_paths_gpu.py's small V3 model's decode step (b=2), by name."""
-    model = variant(dsv3_jax.build(small_v3(weights), seed=0), **options)
-    tokens, starts, last, kv_len = step_inputs(model.args, 2, 1, 300, seed=0)
-    modules, lower = {}, triton_lowering.lower_jaxpr_to_triton_module
-
-    def capture(jaxpr, *a, **k):
-        result = lower(jaxpr, *a, **k)
-        modules.setdefault(jaxpr.debug_info.func_name, []).append(result.module.operation.get_asm())
-        return result
-
-    with lowering_as_on_an_h200(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", capture)
-        step = make_step.__wrapped__(model.parts)
-        step.trace(model.state, model.cache, tokens, starts, last, kv_len=kv_len).lower(lowering_platforms=("cuda",))
+    decode = [step for step in STEPS if step[2] == 1][:1]
+    with captured_triton_modules() as launches:
+        lowered_steps(variant(dsv3_jax.build(small_v3(weights), seed=0), **options), decode)
+    modules = {}
+    for name, ir in launches:
+        modules.setdefault(name, []).append(ir)
     return modules
 
 
