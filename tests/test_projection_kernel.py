@@ -34,7 +34,10 @@ CASES = [("attn_norm, wq and wkv_a, bf16, 1 row", 1, 2048, (96, 40), jnp.bfloat1
          ("fp8 products, ue8m0 scales, 8 rows", 8, 256, (64,), jnp.bfloat16, "ue8m0", False),
          # K not a multiple of the step (V2-Lite's dense w2 has K = 10944): whole steps, then a masked one
          ("dense w2 form, K 1216, bf16, 1 row", 1, 1216, (64,), jnp.bfloat16, "plain", False),
-         ("K 704 after a norm, bf16, 6 rows", 6, 704, (48,), jnp.bfloat16, "plain", True)]
+         ("K 704 after a norm, bf16, 6 rows", 6, 704, (48,), jnp.bfloat16, "plain", True),
+         # past the model's PROJECTION_KERNEL_MAX_ROWS: 32-row programs, and a 64-row one with 24 rows masked
+         ("attn_norm, wq and wkv_a, bf16, 32 rows", 32, 512, (96, 40), jnp.bfloat16, "plain", True),
+         ("no norm, bf16, 40 rows", 40, 256, (64,), jnp.bfloat16, "plain", False)]
 
 
 def make_inputs(case, rng):
