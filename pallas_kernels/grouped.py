@@ -307,9 +307,11 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
         schedule = row_schedule(group_data.astype(jnp.int32), n_groups + n_shared, layer,
                                 merge_from=n_groups if n_shared else None, block_m=block_m)
         max_tiles = m
-    # a tile's rows [row, row + block_m) are masked, but the refs keep a tile of slack past the last
-    # row: masked loads past the end of the refs are slower in prefill (benchmarks/NOTES.md)
-    return launch(x, x_scale, weights, row_scale, [schedule], m, max_tiles, pad=block_m,
+    # a tile's rows [row, row + block_m) are masked; past decode sizes the refs keep a tile of slack past the
+    # last row, as masked loads past the end of the refs measured slower in prefill (benchmarks/NOTES.md), while a
+    # decode-sized launch reads masked rather than wait on XLA's padded copies of x, its scales and row_scale
+    pad = block_m if m > MOSAIC_MIN_ROWS else 0
+    return launch(x, x_scale, weights, row_scale, [schedule], m, max_tiles, pad=pad,
                   every_row_a_tile=form == "rows")[:m]
 
 

@@ -27,6 +27,7 @@ CASES = [  # (rows per group, N, K, block_m, block_n)
     ([0, 20, 17, 0], 128, 128, 16, 32),  # groups longer than a tile
     ([0, 0, 5], 64, 256, 16, 64),  # trailing group only
     ([3, 4], 200, 384, 32, 128),
+    ([600, 0, 437], 64, 128, 16, 64),  # past MOSAIC_MIN_ROWS rows: the refs with a tile of slack past the last row
 ]
 
 
@@ -150,7 +151,7 @@ def test_fused_kernels_read_a_layer_of_a_weight_stack(fp8):
         assert not np.any(got[5:])
 
 
-@pytest.mark.parametrize("rows", [8, 21])  # fewer rows than a tile (x padded), and more (masked loads only)
+@pytest.mark.parametrize("rows", [8, 21])  # fewer rows than a tile, and more (masked loads past the last row)
 @pytest.mark.parametrize("fp8", [False, True])
 def test_row_groups_interpret(fp8, rows):
     """Rows in any order naming their groups (`row_groups`; -1 and G name none): plain with row_scale,
