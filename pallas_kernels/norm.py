@@ -315,7 +315,7 @@ def _quantize_blocks(normed, at, *, q_refs, row, ue8m0, interpret):
     plgpu.store(s_ref.at[row, at[0], :], s)
 
 
-def _check(x, weight, residual, layer, columns, column_groups: int | None = 1) -> tuple[int, int]:
+def _check(x, weight, residual, layer, columns, column_groups: int | None) -> tuple[int, int]:
     """(the normed columns, the programs a row: `column_groups`, or None for one a chunk), after checking them."""
     if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
         fail(_FN, f"x must be a float array (..., W), got {x.dtype} {x.shape}")

@@ -66,16 +66,22 @@ def copy_bandwidth(device) -> float:
     return 2 * x.nbytes / float(np.median(times))
 
 
-def decode_bytes(args: ModelArgs, batch: int, context: int, dtype_bytes: int) -> float:
-    """Fewest bytes one decode step must read: each selected expert once (expected distinct
-    experts under uniform routing), every other weight but the embedding once, and the cache rows attended."""
-    w = parameter_bytes_per_device(abstract_state(args, jnp.bfloat16), Layout())
+def weights_read(args: ModelArgs, roles: dict[str, float], tokens: int) -> float:
+    """Bytes of the weights `roles` (`parameter_bytes_per_device`) a step of `tokens` tokens must read: every
+    weight but the embedding once, and of the routed experts the distinct ones the tokens choose (expected
+    under uniform routing)."""
     k, experts = args.n_activated_experts, args.n_routed_experts
-    distinct = experts * (1 - (1 - k / experts) ** batch)
-    total = sum(w.get(role, 0.0) for role in ("attention", "dense MLP", "shared experts", "gate", "norms", "head"))
-    total += w.get("routed experts", 0.0) * distinct / experts
-    total += args.n_layers * batch * context * (args.kv_lora_rank + args.qk_rope_head_dim) * dtype_bytes
-    return total
+    chosen = 1 - (1 - k / experts) ** tokens if experts else 0.0
+    return (sum(v for role, v in roles.items() if role not in ("embedding", "routed experts"))
+            + roles.get("routed experts", 0.0) * chosen)
+
+
+def decode_bytes(args: ModelArgs, batch: int, context: int, dtype_bytes: int, tokens_per_row: int = 1) -> float:
+    """Fewest bytes one decode step of `tokens_per_row` tokens a row must read: its weights (`weights_read`)
+    and the cache rows attended."""
+    w = parameter_bytes_per_device(abstract_state(args, jnp.bfloat16), Layout())
+    return (weights_read(args, w, batch * tokens_per_row)
+            + args.n_layers * batch * context * (args.kv_lora_rank + args.qk_rope_head_dim) * dtype_bytes)
 
 
 def prefill_flops(args: ModelArgs, batch: int, length: int) -> float:

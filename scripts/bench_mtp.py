@@ -33,7 +33,7 @@ from dsv3_jax.config import ModelArgs
 from dsv3_jax.decode.generate import prefill
 from dsv3_jax.options import add_flags, from_flags
 from dsv3_jax.sharding import Layout, parameter_bytes_per_device
-from bench_model import HBM_BYTES_PER_S
+from bench_model import HBM_BYTES_PER_S, decode_bytes, weights_read
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "pycorpus"
 
@@ -53,22 +53,14 @@ def timed(fn, repeats: int) -> float:
 def floor_bytes(args: ModelArgs, rows: int, context: int) -> dict[str, float]:
     """Fewest bytes the plain step (1 token a row), the verification (2 tokens a row) and the speculative step
     (verification, then the MTP module on 2 tokens a row and its draft through the head again) must read on one
-    device: every weight once but the embedding and the routed experts, of which the distinct ones the step's
-    tokens choose (expected under uniform routing), and the cache rows attended."""
+    device (`bench_model.decode_bytes`, and the MTP module's weights and cache rows)."""
     main = parameter_bytes_per_device(abstract_state(args, jnp.bfloat16), Layout())
     with_mtp = parameter_bytes_per_device(abstract_state(args, jnp.bfloat16, mtp=True), Layout())
     module = {role: with_mtp[role] - main.get(role, 0.0) for role in with_mtp}
-    k, experts = args.n_activated_experts, args.n_routed_experts
-
-    def weights(roles: dict, tokens: int) -> float:
-        distinct = 1 - (1 - k / experts) ** tokens if experts else 0.0
-        return (sum(v for role, v in roles.items() if role not in ("embedding", "routed experts"))
-                + roles.get("routed experts", 0.0) * distinct)
-
-    cache_row = rows * context * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
-    verify = weights(main, 2 * rows) + args.n_layers * cache_row
-    return {"plain": weights(main, rows) + args.n_layers * cache_row, "verify2": verify,
-            "spec": verify + weights(module, 2 * rows) + cache_row + main["head"]}
+    verify = decode_bytes(args, rows, context, 2, tokens_per_row=2)
+    module_cache = rows * context * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
+    return {"plain": decode_bytes(args, rows, context, 2), "verify2": verify,
+            "spec": verify + weights_read(args, module, 2 * rows) + module_cache + main["head"]}
 
 
 def bench_shape(cli, results: list) -> None:
