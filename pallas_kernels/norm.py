@@ -127,7 +127,7 @@ def latent_norm_rope(kv: jax.Array, weight: jax.Array, cos: jax.Array, sin: jax.
     (kv[..., :rank] RMS-normed with weight (rank,) or a stack (L, rank) at `layer`, kv[..., rank:] rotated by
     cos, sin (..., R / 2) float32, the pairs adjacent (`interleaved`) or R / 2 apart), both in kv's dtype."""
     rope = kv.shape[-1] - rank
-    _check(kv, weight, None, layer, rank)
+    _check(kv, weight, None, layer, rank, 1)
     if rope < 2 or rope & (rope - 1) or cos.shape != kv.shape[:-1] + (rope // 2,) or sin.shape != cos.shape:
         fail("latent_norm_rope", f"the rotary part ({rope} columns after rank={rank}) must be a power of two "
                                  f"with cos and sin of shape {kv.shape[:-1] + (max(rope, 0) // 2,)}, got "
