@@ -278,16 +278,18 @@ def bench_variant(bench: SimpleNamespace, runner, tag: str, **variant) -> None:
                       floor_ms_in_run_copy=in_run_floor_ms,
                       achieved_gb_s=bytes_read / (result["ms_per_step"] / 1e3) / 1e9,
                       pct_roofline=100 * floor_ms / result["ms_per_step"])
+        # printed before generate() is timed, so that a run cut short by a time limit still reports the step
+        say(f"decode b={batch} {tag}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
+            f"ms/step (floor {floor_ms:.3f} ms = {bytes_read / 1e9:.2f} GB at {HBM_BYTES_PER_S / 1e12:.1f} TB/s, "
+            f"{result['pct_roofline']:.0f}% of it; {in_run_floor_ms:.3f} ms at the in-run copy rate "
+            f"{bench.bandwidth / 1e12:.2f} TB/s; compile {result['compile_s']:.1f} s)", flush=True)
         result.update(bench_generate(runner, batch, opts.context, opts.steps))
         result["generate_over_step"] = result["generate_ms_per_token"] / result["ms_per_step"]
         bench.rows.append(result)
         save(bench)
         say(f"generate b={batch} {tag}: {result['generate_tok_per_s']:,.1f} tok/s, "
-            f"{result['generate_ms_per_token']:.3f} ms/token ({result['generate_over_step']:.2f}x the step)")
-        say(f"decode b={batch} {tag}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
-            f"ms/step (floor {floor_ms:.3f} ms = {bytes_read / 1e9:.2f} GB at {HBM_BYTES_PER_S / 1e12:.1f} TB/s, "
-            f"{result['pct_roofline']:.0f}% of it; {in_run_floor_ms:.3f} ms at the in-run copy rate "
-            f"{bench.bandwidth / 1e12:.2f} TB/s; compile {result['compile_s']:.1f} s)", flush=True)
+            f"{result['generate_ms_per_token']:.3f} ms/token ({result['generate_over_step']:.2f}x the step)",
+            flush=True)
 
 
 def main() -> None:
