@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU test suite in parallel on one GPU: one pytest process per test file that holds GPU tests,
 # the files in SPLIT as several processes of an equal share of the file's tests each (DSV3_TEST_SHARD),
-# JOBS (default 10) at a time, those first. Compiling is most of the suite's time and each process compiles on its own
-# cores, so the processes overlap; the GPU is shared (no preallocation).
+# JOBS (default 10) at a time, those first. Compiling is most of the suite's time and each process
+# compiles on its own cores, so the processes overlap; the GPU is shared (no preallocation).
 #
 #   scripts/gpu_tests.sh                 # the fast GPU suite (pytest -m gpu)
 #   scripts/gpu_tests.sh -m gpu_slow     # the slower sweeps; other arguments go to every pytest
