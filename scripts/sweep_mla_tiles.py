@@ -42,6 +42,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="jit calls traced per tiling")
     p.add_argument("--kernels", default="query,decode,output", help="which sweeps: query, decode, output, splits")
     p.add_argument("--splits", default="1,2,4,8,16", help="the split counts of the splits sweep")
+    p.add_argument("--output-tiles", type=json.loads, default=OUTPUT_TILES,
+                   help="JSON list of the output sweep's tilings, e.g. '[{\"block_v\": 64}]' (default: the built-in "
+                        "list)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
 
@@ -73,7 +76,7 @@ def launch_us(name: str, per_layer, layers: int, repeats: int) -> float | str:
 
 
 def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int, kernels: set[str],
-          split_counts: list[int]):
+          split_counts: list[int], output_tiles: list[dict] = OUTPUT_TILES):
     """Yield one row a (kernel, tiling) at this batch, or one a split count."""
     window = cache_window(context + 64, args.max_seq_len)
     x = operands(args, layers, batch, window)
@@ -83,7 +86,7 @@ def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int, 
     if "decode" in kernels:
         yield from _decode_rows(args, x, row, layers, repeats)
     if "output" in kernels:
-        yield from _output_rows(args, x, row, layers, repeats)
+        yield from _output_rows(args, x, row, layers, repeats, output_tiles)
     if "splits" in kernels:
         yield from _split_rows(args, x, row, layers, repeats, split_counts)
 
@@ -106,9 +109,9 @@ def _decode_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int)
                    us=launch_us("mla_decode", run, layers, repeats))
 
 
-def _output_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int):
+def _output_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int, output_tiles: list[dict]):
     window, scale = row["window"], args.qk_head_dim ** -0.5
-    for block_t, tiles in itertools.product(OUTPUT_SPLIT_BLOCKS, OUTPUT_TILES):
+    for block_t, tiles in itertools.product(OUTPUT_SPLIT_BLOCKS, output_tiles):
         acc, m, l = mla_decode_splits(x["q_latent"], x["q_pe"], x["kv"], x["pe"], 0, x["lengths"], kv_len=window,
                                       scale=scale, block_t=block_t)
         run = lambda layer, t=tiles: mla_decode_output(  # noqa: E731
@@ -146,7 +149,7 @@ def main() -> None:
     rows = []
     for batch in batches:
         for row in sweep(args, layers, batch, o.context, o.repeats, set(o.kernels.split(",")),
-                         [int(s) for s in o.splits.split(",")]):
+                         [int(s) for s in o.splits.split(",")], o.output_tiles):
             rows.append(row)
             print(row_line(row), flush=True)
     if o.out:
