@@ -66,19 +66,6 @@ def copy_bandwidth(device) -> float:
     return 2 * x.nbytes / float(np.median(times))
 
 
-def read_bandwidth(device) -> float:
-    """Read rate in bytes/s of a sum over a 2 GiB bf16 buffer (reads only: what a decode step's weights ask)."""
-    x = jax.device_put(jnp.ones((1 << 30,), jnp.bfloat16), device)
-    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    total(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return x.nbytes / float(np.median(times))
-
-
 def weights_read(args: ModelArgs, roles: dict[str, float], tokens: int) -> float:
     """Bytes of the weights `roles` (`parameter_bytes_per_device`) a step of `tokens` tokens must read: every
     weight but the embedding once, and of the routed experts the distinct ones the tokens choose (expected
@@ -243,16 +230,14 @@ def save(bench: SimpleNamespace, final: bool = False) -> None:
         "layers": args.n_layers, "dense_layers": args.n_dense_layers, "weights": args.dtype,
         "gemm_impl": options.gemm_impl, "attn_impl": options.attn_impl, "jax": jax.__version__,
         "python": platform.python_version(), "date": datetime.date.today().isoformat(),
-        "copy_bandwidth_tb_s": bandwidth / 1e12, "read_bandwidth_tb_s": bench.read_rate / 1e12,
-        "build_s": bench.build_s, "peak_device_bytes": peak,
+        "copy_bandwidth_tb_s": bandwidth / 1e12, "build_s": bench.build_s, "peak_device_bytes": peak,
         "rows": bench.rows, "processes": jax.process_count(), "complete": final,
     }
     bench.out.mkdir(parents=True, exist_ok=True)
     (bench.out / f"{bench.stem}.json").write_text(json.dumps(record, indent=2))
     lines = [f"# {bench.name}: {args.n_layers} layers, {args.dtype} weights, gemm_impl {options.gemm_impl}",
              "", f"{device.device_kind} x{model.mesh.devices.size} ({jax.process_count()} process(es)), jax {jax.__version__}, {record['date']}; "
-             f"in-run copy bandwidth {bandwidth / 1e12:.2f} TB/s, read rate {bench.read_rate / 1e12:.2f} TB/s; "
-             f"peak device memory {peak / 2**30:.1f} GiB", "",
+             f"in-run copy bandwidth {bandwidth / 1e12:.2f} TB/s; peak device memory {peak / 2**30:.1f} GiB", "",
              f"| run | tok/s | ms/step | bytes/step | floor at {HBM_BYTES_PER_S / 1e12:.1f} TB/s | GB/s | % of floor | "
              "generate() ms/token | compile s |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -289,17 +274,15 @@ def bench_variant(bench: SimpleNamespace, runner, tag: str, **variant) -> None:
         bytes_read = decode_bytes(args, batch, context, 2) / opts.num_devices
         floor_ms = bytes_read / HBM_BYTES_PER_S * 1e3
         in_run_floor_ms = bytes_read / bench.bandwidth * 1e3
-        read_floor_ms = bytes_read / bench.read_rate * 1e3
         result.update(kind="decode", **variant, devices=devices, bytes_per_step=bytes_read, floor_ms=floor_ms,
-                      floor_ms_in_run_copy=in_run_floor_ms, floor_ms_in_run_read=read_floor_ms,
+                      floor_ms_in_run_copy=in_run_floor_ms,
                       achieved_gb_s=bytes_read / (result["ms_per_step"] / 1e3) / 1e9,
                       pct_roofline=100 * floor_ms / result["ms_per_step"])
         # printed before generate() is timed, so that a run cut short by a time limit still reports the step
         say(f"decode b={batch} {tag}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
             f"ms/step (floor {floor_ms:.3f} ms = {bytes_read / 1e9:.2f} GB at {HBM_BYTES_PER_S / 1e12:.1f} TB/s, "
             f"{result['pct_roofline']:.0f}% of it; {in_run_floor_ms:.3f} ms at the in-run copy rate "
-            f"{bench.bandwidth / 1e12:.2f} TB/s, {read_floor_ms:.3f} ms at the read rate {bench.read_rate / 1e12:.2f} "
-            f"TB/s; compile {result['compile_s']:.1f} s)", flush=True)
+            f"{bench.bandwidth / 1e12:.2f} TB/s; compile {result['compile_s']:.1f} s)", flush=True)
         result.update(bench_generate(runner, batch, opts.context, opts.steps))
         result["generate_over_step"] = result["generate_ms_per_token"] / result["ms_per_step"]
         bench.rows.append(result)
@@ -317,9 +300,8 @@ def main() -> None:
     say = print if leader else (lambda *a, **k: None)
     args = model_args(opts)
     device = jax.local_devices()[0]
-    bandwidth, read_rate = copy_bandwidth(device), read_bandwidth(device)
-    say(f"device {device.device_kind}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
-        f"read rate {read_rate / 1e12:.2f} TB/s")
+    bandwidth = copy_bandwidth(device)
+    say(f"device {device.device_kind}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
 
     t0 = time.perf_counter()
     model = dsv3_jax.build(args, seed=0, options=dsv3_jax.RunOptions.make(options, layout=opts.layouts[0]),
@@ -330,8 +312,7 @@ def main() -> None:
     say(f"built {args.n_layers} layers ({params / 1e9:.2f} G parameters, {args.dtype} weights) in {build_s:.1f} s")
     name = Path(opts.config).stem.replace("config_", "")
     gpu = device.device_kind.lower().replace("nvidia ", "").replace(" ", "-")
-    bench = SimpleNamespace(opts=opts, args=args, options=options, device=device, bandwidth=bandwidth,
-                            read_rate=read_rate, model=model,
+    bench = SimpleNamespace(opts=opts, args=args, options=options, device=device, bandwidth=bandwidth, model=model,
                             build_s=build_s, leader=leader, say=say, rows=[], name=name, out=Path(opts.out_dir),
                             stem=f"model-{gpu}-{name}{'-' + opts.tag if opts.tag else ''}")
     variants = [(lay, m, a) for lay in opts.layouts for m in opts.moe_impls for a in opts.decode_attns]
