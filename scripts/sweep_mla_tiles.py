@@ -1,6 +1,8 @@
 """GPU time per launch of the absorbed-MLA decode kernels under several tilings, at a config's shapes.
 
     PYTHONPATH=. python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 1,8 --out x.json
+    PYTHONPATH=. python3 scripts/sweep_mla_tiles.py --config configs/config_671B.json --batches 1 --wkv-b fp8 \
+        --kernels output --output-tiles '[{"block_v": 16}, {"block_v": 128, "num_warps": 8}]'
     PYTHONPATH=. python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 8,32 \
         --kernels splits --splits 1,2,4,8,16
 
@@ -45,12 +47,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-tiles", type=json.loads, default=OUTPUT_TILES,
                    help="JSON list of the output sweep's tilings, e.g. '[{\"block_v\": 64}]' (default: the built-in "
                         "list)")
+    p.add_argument("--wkv-b", choices=("bf16", "fp8"), default="bf16",
+                   help="wkv_b's storage: fp8 as V3's checkpoints (block scales, dequantized in the kernels)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
 
 
-def operands(args: ModelArgs, layers: int, batch: int, window: int) -> dict:
-    """Random decode-step operands at the config's shapes: the query, a bf16 wkv_b stack, the caches."""
+def operands(args: ModelArgs, layers: int, batch: int, window: int, fp8_wkv_b: bool = False) -> dict:
+    """Random decode-step operands at the config's shapes: the query, a wkv_b stack (bf16, or float8_e4m3fn with
+    its 128 x 128 block scales as the fp8 checkpoints store it: `wkv_b_scale`, else None), the caches."""
     heads, nope, rope, rank = args.n_heads, args.qk_nope_head_dim, args.qk_rope_head_dim, args.kv_lora_rank
     keys = iter(jax.random.split(jax.random.key(0), 16))
 
@@ -63,7 +68,14 @@ def operands(args: ModelArgs, layers: int, batch: int, window: int) -> dict:
                                                                     rank ** -0.5),
                 kv=normal((layers, batch, window, rank)), pe=normal((layers, batch, window, rope)),
                 new_kv=normal((batch, rank)), new_pe=normal((batch, rope)), cos=jnp.cos(angles), sin=jnp.sin(angles),
-                lengths=jnp.full((batch,), window - 64, jnp.int32))
+                lengths=jnp.full((batch,), window - 64, jnp.int32), wkv_b_scale=None) | (
+                    _fp8_wkv_b(normal, layers, heads * (nope + args.v_head_dim), rank) if fp8_wkv_b else {})
+
+
+def _fp8_wkv_b(normal, layers: int, rows: int, rank: int) -> dict:
+    """A random float8_e4m3fn wkv_b stack and its float32 block scales (one per 128 x 128 block)."""
+    return dict(wkv_b=normal((layers, rows, rank), 16.0, jnp.float8_e4m3fn),
+                wkv_b_scale=normal((layers, rows // 128, rank // 128), 0.01, jnp.float32) ** 2 + rank ** -0.5 / 16)
 
 
 def launch_us(name: str, per_layer, layers: int, repeats: int) -> float | str:
@@ -76,10 +88,10 @@ def launch_us(name: str, per_layer, layers: int, repeats: int) -> float | str:
 
 
 def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int, kernels: set[str],
-          split_counts: list[int], output_tiles: list[dict] = OUTPUT_TILES):
+          split_counts: list[int], output_tiles: list[dict] = OUTPUT_TILES, fp8_wkv_b: bool = False):
     """Yield one row a (kernel, tiling) at this batch, or one a split count."""
     window = cache_window(context + 64, args.max_seq_len)
-    x = operands(args, layers, batch, window)
+    x = operands(args, layers, batch, window, fp8_wkv_b)
     row = dict(batch=batch, window=window)
     if "query" in kernels:
         yield from _query_rows(args, x, row, layers, repeats)
@@ -95,7 +107,8 @@ def _query_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int):
     nope = args.qk_nope_head_dim
     for tiles in QUERY_TILES:
         run = lambda layer, t=tiles: mla_absorb_query(x["q"], x["wkv_b"], layer, nope=nope,  # noqa: E731
-                                                      rope=(x["cos"], x["sin"], True), **t)
+                                                      rope=(x["cos"], x["sin"], True),
+                                                      wkv_b_scale=x["wkv_b_scale"], **t)
         yield dict(row, kernel="mla_absorb_query", tiles=tiles, us=launch_us("mla_absorb_query", run, layers, repeats))
 
 
@@ -116,7 +129,7 @@ def _output_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int,
                                       scale=scale, block_t=block_t)
         run = lambda layer, t=tiles: mla_decode_output(  # noqa: E731
             acc, m, l, x["q_latent"], x["q_pe"], x["new_kv"], x["new_pe"], x["wkv_b"], layer, scale=scale,
-            v_dim=args.v_head_dim, **t)
+            v_dim=args.v_head_dim, wkv_b_scale=x["wkv_b_scale"], **t)
         yield dict(row, kernel="mla_decode_output", tiles=tiles, splits=int(acc.shape[1]),
                    us=launch_us("mla_decode_output", run, layers, repeats))
 
@@ -131,7 +144,7 @@ def _split_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int, 
         acc, m, l = decode(0)
         output = lambda layer, acc=acc, m=m, l=l: mla_decode_output(  # noqa: E731
             acc, m, l, x["q_latent"], x["q_pe"], x["new_kv"], x["new_pe"], x["wkv_b"], layer, scale=scale,
-            v_dim=args.v_head_dim)
+            v_dim=args.v_head_dim, wkv_b_scale=x["wkv_b_scale"])
         times = dict(decode=launch_us("mla_decode", decode, layers, repeats),
                      output=launch_us("mla_decode_output", output, layers, repeats))
         total = sum(times.values()) if all(isinstance(t, float) for t in times.values()) else "; ".join(
@@ -149,13 +162,13 @@ def main() -> None:
     rows = []
     for batch in batches:
         for row in sweep(args, layers, batch, o.context, o.repeats, set(o.kernels.split(",")),
-                         [int(s) for s in o.splits.split(",")], o.output_tiles):
+                         [int(s) for s in o.splits.split(",")], o.output_tiles, o.wkv_b == "fp8"):
             rows.append(row)
             print(row_line(row), flush=True)
     if o.out:
         with open(o.out, "w") as f:
             json.dump(dict(config=o.config, device=jax.devices()[0].device_kind, jax=jax.__version__,
-                           layers=layers, context=o.context, rows=rows), f, indent=1)
+                           layers=layers, context=o.context, wkv_b=o.wkv_b, rows=rows), f, indent=1)
 
 
 def row_line(r: dict) -> str:
