@@ -13,6 +13,7 @@ import collections
 import glob
 import gzip
 import json
+import os
 import re
 import tempfile
 import time
@@ -103,6 +104,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--weights", choices=("bf16", "fp8"), help="weight storage (default: the config's dtype)")
     p.add_argument("--build-kwargs", default="{}", help="JSON of extra dsv3_jax.build keyword arguments")
     p.add_argument("--hlo-out", default=None, help="write the step's compiled HLO here (gzipped)")
+    p.add_argument("--pdl", choices=("on", "off"), default="on",
+                   help="XLA's programmatic dependent launch; under it a kernel launched early counts its wait for "
+                        "the launch before in its own duration, so per-kernel times want it off")
     p.add_argument("--out", default=None, help="write the profile as JSON here")
     return p.parse_args()
 
@@ -119,6 +123,8 @@ def model_args(o: argparse.Namespace) -> ModelArgs:
 
 def main() -> None:
     o = parse_args()
+    if o.pdl == "off":  # read when the backend starts, at the first jax call below
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_enable_pdl=false".strip()
     args = model_args(o)
     model = dsv3_jax.build(args, seed=0, **json.loads(o.build_kwargs))
     prompt = np.random.default_rng(0).integers(0, args.vocab_size, (o.batch, o.context)).astype(np.int32)
@@ -163,6 +169,7 @@ def main() -> None:
     n = o.steps
     busy = sum(r["us"] for r in kernels.values())
     result = {"config": o.config, "batch": o.batch, "context": o.context, "build_kwargs": json.loads(o.build_kwargs),
+              "pdl": o.pdl,
               "device": jax.devices()[0].device_kind, "jax": jax.__version__, "wall_ms_per_step": wall * 1e3,
               "gpu_busy_ms_per_step": busy / n / 1e3, "kernels_per_step": sum(r["count"] for r in kernels.values()) / n,
               "by_scope": {k: {"count_per_step": v["count"] / n, "us_per_step": v["us"] / n, "share": v["us"] / busy}
@@ -171,7 +178,10 @@ def main() -> None:
                                "us_per_step": v["us"] / n, "share": v["us"] / busy}
                               for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:o.top]]}
     print(f"batch {o.batch}: wall {result['wall_ms_per_step']:.3f} ms/step, GPU busy "
-          f"{result['gpu_busy_ms_per_step']:.3f} ms/step, {result['kernels_per_step']:.0f} kernels/step")
+          f"{result['gpu_busy_ms_per_step']:.3f} ms/step, {result['kernels_per_step']:.0f} kernels/step, PDL {o.pdl}")
+    if result["gpu_busy_ms_per_step"] > result["wall_ms_per_step"]:
+        print("  kernels overlap (busy > wall): their durations include waits for the launch before; --pdl off "
+              "separates them")
     for k, v in result["by_scope"].items():
         print(f"  scope {k:16s} {v['us_per_step']:9.1f} us/step {v['count_per_step']:6.1f}x {100 * v['share']:5.1f}%")
     for r in result["top_kernels"]:
