@@ -32,7 +32,8 @@ QUERY_TILES = [dict(block_c=c, num_warps=w) for c, w in itertools.product((128, 
 DECODE_TILES = [dict(block_t=t, num_warps=w) for t, w in itertools.product((64, 32, 16), (4, 2))]
 OUTPUT_TILES = ([dict(block_v=v, num_warps=w) for v, w in itertools.product((16, 32, 64), (4, 2))]
                 + [dict(block_v=16, v_blocks=n) for n in (2, 4, 8)])  # one merge for several V blocks
-OUTPUT_SPLIT_BLOCKS = (64, 32)  # the output kernel merges as many splits as mla_decode_splits made at these
+OUTPUT_SPLIT_BLOCKS = (64, 32)  # the output kernel merges as many splits as mla_decode_splits made at these (64:
+# its default block_t)
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-tiles", type=json.loads, default=OUTPUT_TILES,
                    help="JSON list of the output sweep's tilings, e.g. '[{\"block_v\": 64}]' (default: the built-in "
                         "list)")
+    p.add_argument("--split-blocks", default=",".join(map(str, OUTPUT_SPLIT_BLOCKS)),
+                   help="the output sweep's cache blocks (block_t of the splits it merges)")
     p.add_argument("--wkv-b", choices=("bf16", "fp8"), default="bf16",
                    help="wkv_b's storage: fp8 as V3's checkpoints (block scales, dequantized in the kernels)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -88,7 +91,8 @@ def launch_us(name: str, per_layer, layers: int, repeats: int) -> float | str:
 
 
 def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int, kernels: set[str],
-          split_counts: list[int], output_tiles: list[dict] = OUTPUT_TILES, fp8_wkv_b: bool = False):
+          split_counts: list[int], output_tiles: list[dict] = OUTPUT_TILES, fp8_wkv_b: bool = False,
+          split_blocks: tuple[int, ...] = OUTPUT_SPLIT_BLOCKS):
     """Yield one row a (kernel, tiling) at this batch, or one a split count."""
     window = cache_window(context + 64, args.max_seq_len)
     x = operands(args, layers, batch, window, fp8_wkv_b)
@@ -98,7 +102,7 @@ def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int, 
     if "decode" in kernels:
         yield from _decode_rows(args, x, row, layers, repeats)
     if "output" in kernels:
-        yield from _output_rows(args, x, row, layers, repeats, output_tiles)
+        yield from _output_rows(args, x, row, layers, repeats, output_tiles, split_blocks)
     if "splits" in kernels:
         yield from _split_rows(args, x, row, layers, repeats, split_counts)
 
@@ -122,9 +126,10 @@ def _decode_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int)
                    us=launch_us("mla_decode", run, layers, repeats))
 
 
-def _output_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int, output_tiles: list[dict]):
+def _output_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int, output_tiles: list[dict],
+                 split_blocks: tuple[int, ...]):
     window, scale = row["window"], args.qk_head_dim ** -0.5
-    for block_t, tiles in itertools.product(OUTPUT_SPLIT_BLOCKS, output_tiles):
+    for block_t, tiles in itertools.product(split_blocks, output_tiles):
         acc, m, l = mla_decode_splits(x["q_latent"], x["q_pe"], x["kv"], x["pe"], 0, x["lengths"], kv_len=window,
                                       scale=scale, block_t=block_t)
         run = lambda layer, t=tiles: mla_decode_output(  # noqa: E731
@@ -162,7 +167,8 @@ def main() -> None:
     rows = []
     for batch in batches:
         for row in sweep(args, layers, batch, o.context, o.repeats, set(o.kernels.split(",")),
-                         [int(s) for s in o.splits.split(",")], o.output_tiles, o.wkv_b == "fp8"):
+                         [int(s) for s in o.splits.split(",")], o.output_tiles, o.wkv_b == "fp8",
+                         tuple(int(b) for b in o.split_blocks.split(","))):
             rows.append(row)
             print(row_line(row), flush=True)
     if o.out:
