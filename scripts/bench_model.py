@@ -157,9 +157,10 @@ def bench_decode(model, batch: int, context: int, steps: int) -> dict:
             "tok_per_s": batch / per_step, "compile_s": max(0.0, first - per_step)}
 
 
-def bench_generate(model, batch: int, context: int, steps: int) -> dict:
+def bench_generate(model, batch: int, context: int, steps: int, pairs: int = 3) -> dict:
     """Per-token time of `Model.generate` (greedy, sampling and the host loop included): the
-    difference of two timed calls of 8 and 8 + `steps` new tokens, so the prefill cancels."""
+    difference of two timed calls of 8 and 8 + `steps` new tokens, so the prefill cancels; the median
+    of `pairs` such differences, so that one slow call (the host's, not the GPU's) does not set it."""
     rng = np.random.default_rng(2)
     prompts = rng.integers(0, model.args.vocab_size, (batch, context)).tolist()
 
@@ -169,7 +170,7 @@ def bench_generate(model, batch: int, context: int, steps: int) -> dict:
         return time.perf_counter() - start
 
     run(8 + steps)  # compiles the prefill and the decode step of this window
-    per_token = (run(8 + steps) - run(8)) / steps
+    per_token = float(np.median([run(8 + steps) - run(8) for _ in range(pairs)])) / steps
     return {"generate_ms_per_token": per_token * 1e3, "generate_tok_per_s": batch / per_token}
 
 
