@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 1,8 --out x.json
     PYTHONPATH=. python3 scripts/sweep_mla_tiles.py --config configs/config_671B.json --batches 1 --wkv-b fp8 \
-        --kernels output --output-tiles '[{"block_v": 16}, {"block_v": 128, "num_warps": 8}]'
+        --kernels output --output-tiles '[{"block_v": 16}, {"block_v": 16, "v_blocks": 8}]'
     PYTHONPATH=. python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 8,32 \
         --kernels splits --splits 1,2,4,8,16
 
