@@ -76,12 +76,17 @@ def weights_read(args: ModelArgs, roles: dict[str, float], tokens: int) -> float
             + roles.get("routed experts", 0.0) * chosen)
 
 
+def cache_bytes(args: ModelArgs, batch: int, context: int, dtype_bytes: int) -> float:
+    """Bytes of one layer's latent cache rows that `batch` rows of `context` positions attend to."""
+    return batch * context * (args.kv_lora_rank + args.qk_rope_head_dim) * dtype_bytes
+
+
 def decode_bytes(args: ModelArgs, batch: int, context: int, dtype_bytes: int, tokens_per_row: int = 1) -> float:
     """Fewest bytes one decode step of `tokens_per_row` tokens a row must read: its weights (`weights_read`)
     and the cache rows attended."""
     w = parameter_bytes_per_device(abstract_state(args, jnp.bfloat16), Layout())
     return (weights_read(args, w, batch * tokens_per_row)
-            + args.n_layers * batch * context * (args.kv_lora_rank + args.qk_rope_head_dim) * dtype_bytes)
+            + args.n_layers * cache_bytes(args, batch, context, dtype_bytes))
 
 
 def prefill_flops(args: ModelArgs, batch: int, length: int) -> float:

@@ -33,7 +33,7 @@ from dsv3_jax.config import ModelArgs
 from dsv3_jax.decode.generate import prefill
 from dsv3_jax.options import add_flags, from_flags
 from dsv3_jax.sharding import Layout, parameter_bytes_per_device
-from bench_model import HBM_BYTES_PER_S, decode_bytes, weights_read
+from bench_model import HBM_BYTES_PER_S, cache_bytes, decode_bytes, weights_read
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "pycorpus"
 
@@ -58,9 +58,8 @@ def floor_bytes(args: ModelArgs, rows: int, context: int) -> dict[str, float]:
     with_mtp = parameter_bytes_per_device(abstract_state(args, jnp.bfloat16, mtp=True), Layout())
     module = {role: with_mtp[role] - main.get(role, 0.0) for role in with_mtp}
     verify = decode_bytes(args, rows, context, 2, tokens_per_row=2)
-    module_cache = rows * context * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
     return {"plain": decode_bytes(args, rows, context, 2), "verify2": verify,
-            "spec": verify + weights_read(args, module, 2 * rows) + module_cache + main["head"]}
+            "spec": verify + weights_read(args, module, 2 * rows) + cache_bytes(args, rows, context, 2) + main["head"]}
 
 
 def bench_shape(cli, results: list) -> None:
