@@ -3,6 +3,7 @@
     y, s = act_quant(x, block_size=128, scale_fmt=None)        # x (..., K) -> e4m3 + f32 (..., K/128)
     w = weight_dequant(w_q, s, block_size=128, out_dtype=bf16)  # (M, N) e4m3 + f32 (ceil(M/128), ceil(N/128))
     c = fp8_gemm(a, a_s, b, b_s, out_dtype=bf16)                # (..., K) x (N, K)^T -> (..., N)
+    c = dequant_gemm(x, b, b_s)                                 # bf16 x times the e4m3 weight dequantized, f32
     y = grouped_gemm(x, w, group_sizes, w_scale=None)           # rows sorted by group x (G, N, K)^T
     y = grouped_gemm_mgpu(x, w, group_sizes)                    # the same on wgmma (Mosaic GPU, bf16)
     h = grouped_gemm_swiglu(x, w1, w3, group_sizes)             # silu(x W1_g^T) * (x W3_g^T), one launch
@@ -27,7 +28,7 @@ from ._common import BLOCK as FP8_BLOCK, FP8 as FP8_DTYPE, cdiv, use_interpret
 from .dequantize import weight_dequant
 from .flash_attention import flash_attention
 from .flash_attention_mgpu import FlashTiles
-from .gemm import GemmConfig, fp8_gemm, fp8_gemm_path, fp8_gemm_reads_stacks_in_place
+from .gemm import GemmConfig, dequant_gemm, fp8_gemm, fp8_gemm_path, fp8_gemm_reads_stacks_in_place
 from .gemm_mgpu import MosaicGemmConfig
 from .grouped import grouped_gemm, grouped_gemm_backend, grouped_gemm_swiglu
 from .grouped_mgpu import MOSAIC_MIN_ROWS, MosaicTiles, grouped_gemm_mgpu
@@ -37,5 +38,6 @@ from .quantize import act_quant
 from .router import route
 
 __all__ = ["FP8_BLOCK", "FP8_DTYPE", "FlashTiles", "GemmConfig", "MOSAIC_MIN_ROWS", "MosaicGemmConfig", "MosaicTiles",
-           "act_quant", "cdiv", "flash_attention", "fp8_gemm", "fp8_gemm_path", "fp8_gemm_reads_stacks_in_place", "grouped_gemm", "grouped_gemm_backend",
-           "grouped_gemm_mgpu", "grouped_gemm_swiglu", "mla_decode", "rms_norm", "route", "use_interpret", "weight_dequant"]
+           "act_quant", "cdiv", "dequant_gemm", "flash_attention", "fp8_gemm", "fp8_gemm_path",
+           "fp8_gemm_reads_stacks_in_place", "grouped_gemm", "grouped_gemm_backend", "grouped_gemm_mgpu",
+           "grouped_gemm_swiglu", "mla_decode", "rms_norm", "route", "use_interpret", "weight_dequant"]

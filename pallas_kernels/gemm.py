@@ -32,9 +32,10 @@ from ._common import (BLOCK, FP8, cdiv, check_dtype, check_last_dim, check_out_d
                       interpret_in_shard_map, launch_dependents, match_vma, num_sms, result, rows, use_interpret,
                       vma_union)
 from .gemm_mgpu import MosaicGemmConfig, fp8_gemm_mosaic_2d, mosaic_unsupported
-from .reference import fp8_gemm_ref
+from .reference import fp8_gemm_ref, weight_dequant_ref
 
 _FN = "fp8_gemm"
+_FN_DEQUANT = "dequant_gemm"
 IMPLS = ("auto", "triton", "mosaic")
 # Smallest M for which "auto" picks the Mosaic kernel on sm_90. Below it the Triton kernel's narrow
 # tiles and split-K (reading B dominates) are the faster path until measured otherwise.
@@ -175,6 +176,36 @@ def fp8_gemm(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dty
     return c.reshape(*a.shape[:-1], n)
 
 
+def dequant_gemm(a: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.float32, *, layer=None):
+    """``C = A @ (B * b_s)^T`` with B's tiles dequantized to A's dtype as they are loaded: gemm_impl "bf16"'s
+    math on an fp8 weight (each tile rounded as ``weight_dequant`` rounds it, float32 accumulation), reading the
+    fp8 bytes only. The Triton kernel of fp8_gemm with A unquantized: at decode-sized M, narrow N tiles and
+    split-K, so that a weight of few output columns is still streamed by every SM.
+
+    a: bfloat16, float16 or float32 (..., K), K a multiple of 128; b: float8_e4m3fn (N, K), or a stack
+    (L, N, K) with `layer` (int32 scalar, read in place); b_s: float32 (ceil(N / 128), K // 128) (with a
+    leading L for a stack). Returns (..., N) in out_dtype.
+    """
+    out_dtype = check_out_dtype(_FN_DEQUANT, out_dtype)
+    check_dtype(_FN_DEQUANT, "a", a, (jnp.bfloat16, jnp.float16, jnp.float32), "bfloat16, float16 or float32")
+    if b.ndim not in (2, 3) or (b.ndim == 3) != (layer is not None):
+        fail(_FN_DEQUANT, f"b has shape {tuple(b.shape)}: a stack (L, N, K) goes with `layer`, (N, K) without")
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    b, b_s = (b, b_s) if b.ndim == 3 else (b[None], b_s[None])
+    m, n, k = _check_weight(_FN_DEQUANT, a, b, b_s)
+    if m == 0 or n == 0:
+        return jnp.zeros((*a.shape[:-1], n), out_dtype)
+    interpret = use_interpret()
+    if interpret_in_shard_map(interpret, a, b, b_s):
+        w = weight_dequant_ref(*_one_layer(b, b_s, layer), out_dtype=a.dtype)
+        return jnp.einsum("...k,nk->...n", a, w, precision=jax.lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32).astype(out_dtype)
+    if 2**31 <= b.size < 2**32:  # Triton would address this 1-byte ref with 32-bit signed offsets
+        b, b_s, layer = *(x[None] for x in _one_layer(b, b_s, layer)), jnp.zeros((1,), jnp.int32)
+    c = _fp8_gemm_2d(a.reshape(m, k), None, b, b_s, layer, out_dtype, default_config(m, n, k), interpret)
+    return c.reshape(*a.shape[:-1], n)
+
+
 def _one_layer(b, b_s, layer):
     """Layer `layer` ((1,) int32) of a weight stack and its scales, sliced out."""
     return tuple(jax.lax.dynamic_index_in_dim(x, layer[0], 0, keepdims=False) for x in (b, b_s))
@@ -200,34 +231,43 @@ def _mosaic_2d(a, a_s, b, b_s, out_dtype, config: MosaicGemmConfig | None, inter
 
 def _check(a, a_s, b, b_s) -> tuple[int, int, int]:
     """(M, N, K) of a product with a stack of weights b (L, N, K), its scales b_s (L, ceil(N/128), K/128)."""
-    for name, x in (("a", a), ("b", b)):
-        check_dtype(_FN, name, x, (FP8,), "float8_e4m3fn")
-    for name, x in (("a_s", a_s), ("b_s", b_s)):
-        check_dtype(_FN, name, x, (jnp.float32,), "float32")
-    k = check_last_dim(_FN, "a", a)
-    if b.shape[-1] != k:
-        fail(_FN, f"b has shape {tuple(b.shape[1:])}, expected (N, {k}) = (N, K) with K from a")
-    n = b.shape[1]
+    check_dtype(_FN, "a", a, (FP8,), "float8_e4m3fn")
+    check_dtype(_FN, "a_s", a_s, (jnp.float32,), "float32")
+    m, n, k = _check_weight(_FN, a, b, b_s)
     want = (*a.shape[:-1], k // BLOCK)
     if tuple(a_s.shape) != want:
         fail(_FN, f"a_s has shape {tuple(a_s.shape)}, expected {want} = (..., K/128)")
+    return m, n, k
+
+
+def _check_weight(fn: str, a, b, b_s) -> tuple[int, int, int]:
+    """(M, N, K) of a times a stack of fp8 weights b (L, N, K) with block scales b_s (L, ceil(N/128), K/128)."""
+    check_dtype(fn, "b", b, (FP8,), "float8_e4m3fn")
+    check_dtype(fn, "b_s", b_s, (jnp.float32,), "float32")
+    k = check_last_dim(fn, "a", a)
+    if b.shape[-1] != k:
+        fail(fn, f"b has shape {tuple(b.shape[1:])}, expected (N, {k}) = (N, K) with K from a")
+    n = b.shape[1]
     want = (b.shape[0], cdiv(n, BLOCK), k // BLOCK)
     if tuple(b_s.shape) != want:
-        fail(_FN, f"b_s has shape {tuple(b_s.shape[1:])}, expected {want[1:]} = (ceil(N/128), K/128)")
+        fail(fn, f"b_s has shape {tuple(b_s.shape[1:])}, expected {want[1:]} = (ceil(N/128), K/128)")
     return rows(a.shape), n, k
 
 
 def _fp8_gemm_2d(a, a_s, b, b_s, layer, out_dtype, cfg: GemmConfig, interpret: bool):
-    """The Triton kernel on A (M, K) and layer `layer` ((1,) int32) of the weight stack b (L, N, K)."""
+    """The Triton kernel on A (M, K) and layer `layer` ((1,) int32) of the weight stack b (L, N, K); a_s None:
+    A unquantized, B's tiles dequantized to A's dtype (`dequant_gemm`)."""
     (m, k), n = a.shape, b.shape[1]
     nkb = k // BLOCK
     cfg.check(nkb)
     bm, bn, split = cfg.bm, cfg.bn, cfg.split
     kbp = nkb // split  # K-blocks per program
-    vma = vma_union(a, a_s, b, b_s)  # inside shard_map: the axes the operands vary along
-    kernel = functools.partial(_kernel, m=m, n=n, bn=bn, kbp=kbp,
+    scaled = a_s is not None
+    vma = vma_union(*(x for x in (a, a_s, b, b_s) if x is not None))  # inside shard_map: the operands' axes
+    kernel = functools.partial(_kernel if scaled else _dequant_kernel, m=m, n=n, bn=bn, kbp=kbp,
                                mma_dtype=jnp.float16 if cfg.mma == "f16" else None)
-    layer, a, a_s, b, b_s = match_vma(vma, layer, a, a_s, b, b_s)
+    layer, a, b, b_s = match_vma(vma, layer, a, b, b_s)
+    a_s = match_vma(vma, a_s)[0] if scaled else None
     if split == 1:
         out_shape = result((m, n), out_dtype, vma)
         out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
@@ -244,15 +284,15 @@ def _fp8_gemm_2d(a, a_s, b, b_s, layer, out_dtype, cfg: GemmConfig, interpret: b
         in_specs=[
             pl.no_block_spec,
             pl.BlockSpec((bm, kbp * BLOCK), lambda i, j, s: (i, s)),
-            pl.BlockSpec((bm, kbp), lambda i, j, s: (i, s)),
+            *([pl.BlockSpec((bm, kbp), lambda i, j, s: (i, s))] if scaled else []),
             pl.no_block_spec,
             pl.no_block_spec,
         ],
         out_specs=out_spec,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name="fp8_gemm",
-    )(layer, a, a_s, b, b_s)
+        name="fp8_gemm" if scaled else "dequant_gemm",
+    )(layer, a, *([a_s] if scaled else []), b, b_s)
     if split > 1:
         c = c.sum(axis=0).astype(out_dtype)
     return c
@@ -285,7 +325,40 @@ def _kernel(layer_ref, a_ref, as_ref, b_ref, bs_ref, o_ref, *, m, n, bn, kbp, mm
         return acc + part * (sa * sb)
 
     acc = jax.lax.fori_loop(0, kbp, body, jnp.zeros((bm, bn), jnp.float32))
-    mask = row_mask
+    _store_tile(o_ref, acc, row_ok, col_ok)
+
+
+def _dequant_kernel(layer_ref, a_ref, b_ref, bs_ref, o_ref, *, m, n, bn, kbp, mma_dtype):
+    """`_kernel` with A unquantized: each B tile times its scale in float32, rounded to A's dtype (as
+    weight_dequant rounds it), then one dot in A's dtype with float32 accumulation."""
+    del mma_dtype  # the dot runs in A's dtype
+    bm = a_ref.shape[0]
+    i, j, split = pl.program_id(0), launch_dependents(pl.program_id(1)), pl.program_id(2)
+    layer = layer_ref[0]
+    row_ok = (i * bm + jnp.arange(bm)) < m if m % bm else None
+    col_ok = (j * bn + jnp.arange(bn)) < n if n % bn else None
+    b_rows = pl.ds(pl.multiple_of(j * bn, bn), bn)
+    scale_row = (j * bn) // BLOCK  # bn <= 128: one weight scale row for the whole tile
+    precision = jax.lax.Precision.HIGHEST if a_ref.dtype == jnp.float32 else None  # no TF32 rounding of A
+
+    def body(t, acc):
+        ks = pl.ds(pl.multiple_of(t * BLOCK, BLOCK), BLOCK)
+        kb = split * kbp + t
+        a = plgpu.load(a_ref.at[:, ks], mask=None if row_ok is None else row_ok[:, None])
+        b = plgpu.load(b_ref.at[layer, b_rows, pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)],
+                       mask=None if col_ok is None else col_ok[:, None])
+        sb = bs_ref[layer, pl.ds(scale_row, 1), pl.ds(kb, 1)]  # (1, 1)
+        w = (b.astype(jnp.float32) * sb).astype(a.dtype)
+        return acc + jax.lax.dot_general(a, w, (((1,), (1,)), ((), ())), precision=precision,
+                                         preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, kbp, body, jnp.zeros((bm, bn), jnp.float32))
+    _store_tile(o_ref, acc, row_ok, col_ok)
+
+
+def _store_tile(o_ref, acc, row_ok, col_ok):
+    """The (bm, bn) tile, its rows and columns past the edges (`*_ok`, None: none) left unwritten."""
+    mask = None if row_ok is None else row_ok[:, None]
     if col_ok is not None:
         mask = col_ok[None, :] if mask is None else mask & col_ok[None, :]
     plgpu.store(o_ref, acc.astype(o_ref.dtype), mask=mask)

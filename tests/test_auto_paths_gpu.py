@@ -3,7 +3,7 @@
 moe_impl "auto" runs "slots", "fused" or the grouped kernel by the step's size, the grouped kernel on
 wgmma (Mosaic) past MOSAIC_MIN_ROWS rows with bf16 weights; gemm_impl "fp8" takes the Mosaic fp8 GEMM
 from MOSAIC_MIN_M rows (prefill), Triton below; fp8 weights under gemm_impl "bf16" go through the
-weight_dequant kernel in prefill and the grouped kernel as one group in decode-sized steps
+weight_dequant kernel in prefill and dequant_gemm (split over K) in decode-sized steps
 (`Linear.dequantizing_kernel`); decode_attn "auto" runs the MLA decode kernel on single-token steps; prefill_attn
 "auto" runs the Mosaic flash-attention kernel on prefill chunks of FLASH_MIN_QUERIES queries or more.
 Each step of a small V3-shaped model is compared with the same model whose Pallas kernels all give way

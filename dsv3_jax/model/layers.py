@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import FP8_BLOCK, FP8_DTYPE, act_quant, cdiv, fp8_gemm, grouped_gemm, use_interpret, weight_dequant
+from pallas_kernels import FP8_BLOCK, FP8_DTYPE, act_quant, cdiv, dequant_gemm, fp8_gemm, use_interpret, weight_dequant
 from pallas_kernels.norm import gate_logits_ref, norm_chunk, rms_norm, rms_norm_fp8
 from pallas_kernels.projection import VECTOR_MAX_ROWS, norm_project
 
@@ -47,8 +47,8 @@ def init_fp8(rngs: nnx.Rngs | None, shape):
 
 
 # fp8 weights under gemm_impl "bf16" in steps of at most this many rows (decode, speculative verification):
-# the grouped kernel as one group dequantizes the weight tile by tile as it reads the fp8 bytes, and reads
-# its layer of a stack in place, where dequantizing first writes and reads the whole weight in bf16 every step
+# dequant_gemm dequantizes the weight tile by tile as it reads the fp8 bytes, and reads its layer of a stack
+# in place, where dequantizing first writes and reads the whole weight in bf16 every step
 DEQUANT_KERNEL_MAX_ROWS = 64
 
 
@@ -83,15 +83,10 @@ class Linear(nnx.Module):
             self.scale = None
 
     def dequantizing_kernel(self, x: jnp.ndarray, layer=None) -> jnp.ndarray:
-        """x W^T in float32 for an fp8 W, gemm_impl "bf16"'s math (W's tiles dequantized to x's dtype) from the
-        grouped kernel with all rows in one group: it reads the fp8 weight, and layer `layer` of a stack in
-        place."""
-        rows = x.reshape(-1, x.shape[-1])
-        w, s = self.weight[...], self.scale[...]
-        w, s = (w[:, None], s[:, None]) if layer is not None else (w[None], s[None])
-        y = grouped_gemm(rows, w, jnp.full((1,), rows.shape[0], jnp.int32), s, layer=layer, out_dtype=jnp.float32,
-                         block_m=16, block_n=64)
-        return y.reshape(*x.shape[:-1], -1)
+        """x W^T in float32 for an fp8 W, gemm_impl "bf16"'s math (W's tiles dequantized to x's dtype) from
+        `dequant_gemm` (split over K, so that a weight of few output columns keeps every SM reading): it reads
+        the fp8 weight, and layer `layer` of a stack in place."""
+        return dequant_gemm(x, self.weight[...], self.scale[...], jnp.float32, layer=layer)
 
     def dequantized(self, dtype) -> jnp.ndarray:
         """The weight in `dtype` (block scales applied when the weight is fp8)."""
