@@ -264,7 +264,7 @@ def _fp8_gemm_2d(a, a_s, b, b_s, layer, out_dtype, cfg: GemmConfig, interpret: b
     kbp = nkb // split  # K-blocks per program
     scaled = a_s is not None
     vma = vma_union(*(x for x in (a, a_s, b, b_s) if x is not None))  # inside shard_map: the operands' axes
-    kernel = functools.partial(_kernel if scaled else _dequant_kernel, m=m, n=n, bn=bn, kbp=kbp,
+    kernel = functools.partial(_kernel, m=m, n=n, bn=bn, kbp=kbp, scaled=scaled,
                                mma_dtype=jnp.float16 if cfg.mma == "f16" else None)
     layer, a, b, b_s = match_vma(vma, layer, a, b, b_s)
     a_s = match_vma(vma, a_s)[0] if scaled else None
@@ -298,7 +298,11 @@ def _fp8_gemm_2d(a, a_s, b, b_s, layer, out_dtype, cfg: GemmConfig, interpret: b
     return c
 
 
-def _kernel(layer_ref, a_ref, as_ref, b_ref, bs_ref, o_ref, *, m, n, bn, kbp, mma_dtype):
+def _kernel(layer_ref, a_ref, *refs, m, n, bn, kbp, mma_dtype, scaled):
+    """One (bm, bn) output tile over this program's K range. `scaled`: A is fp8 with per-row block scales (the
+    refs start with them), each K-block's product scaled by both; else A is unquantized and each B tile is
+    multiplied by its scale in float32 and rounded to A's dtype (as weight_dequant rounds it) before the dot."""
+    as_ref, b_ref, bs_ref, o_ref = refs if scaled else (None, *refs)
     bm = a_ref.shape[0]
     i, j, split = pl.program_id(0), launch_dependents(pl.program_id(1)), pl.program_id(2)
     layer = layer_ref[0]
@@ -310,14 +314,19 @@ def _kernel(layer_ref, a_ref, as_ref, b_ref, bs_ref, o_ref, *, m, n, bn, kbp, mm
     col_mask = None if col_ok is None else col_ok[:, None]
     b_rows = pl.ds(pl.multiple_of(j * bn, bn), bn)
     scale_row = (j * bn) // BLOCK  # bn <= 128: one weight scale row for the whole tile
+    precision = jax.lax.Precision.HIGHEST if a_ref.dtype == jnp.float32 else None  # no TF32 rounding of A
 
     def body(t, acc):
         ks = pl.ds(pl.multiple_of(t * BLOCK, BLOCK), BLOCK)
         kb = split * kbp + t  # the K-block in the whole K
         a = plgpu.load(a_ref.at[:, ks], mask=row_mask)
         b = plgpu.load(b_ref.at[layer, b_rows, pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)], mask=col_mask)
-        sa = plgpu.load(as_ref.at[:, pl.ds(t, 1)], mask=row_mask)  # (bm, 1)
         sb = bs_ref[layer, pl.ds(scale_row, 1), pl.ds(kb, 1)]  # (1, 1): one weight scale for the whole tile
+        if not scaled:
+            w = (b.astype(jnp.float32) * sb).astype(a.dtype)
+            return acc + jax.lax.dot_general(a, w, (((1,), (1,)), ((), ())), precision=precision,
+                                             preferred_element_type=jnp.float32)
+        sa = plgpu.load(as_ref.at[:, pl.ds(t, 1)], mask=row_mask)  # (bm, 1)
         if mma_dtype is not None:
             a, b = a.astype(mma_dtype), b.astype(mma_dtype)
         # (bm, bn) float32 from the tensor cores; contracting b's dim 1 = A . B^T
@@ -325,40 +334,7 @@ def _kernel(layer_ref, a_ref, as_ref, b_ref, bs_ref, o_ref, *, m, n, bn, kbp, mm
         return acc + part * (sa * sb)
 
     acc = jax.lax.fori_loop(0, kbp, body, jnp.zeros((bm, bn), jnp.float32))
-    _store_tile(o_ref, acc, row_ok, col_ok)
-
-
-def _dequant_kernel(layer_ref, a_ref, b_ref, bs_ref, o_ref, *, m, n, bn, kbp, mma_dtype):
-    """`_kernel` with A unquantized: each B tile times its scale in float32, rounded to A's dtype (as
-    weight_dequant rounds it), then one dot in A's dtype with float32 accumulation."""
-    del mma_dtype  # the dot runs in A's dtype
-    bm = a_ref.shape[0]
-    i, j, split = pl.program_id(0), launch_dependents(pl.program_id(1)), pl.program_id(2)
-    layer = layer_ref[0]
-    row_ok = (i * bm + jnp.arange(bm)) < m if m % bm else None
-    col_ok = (j * bn + jnp.arange(bn)) < n if n % bn else None
-    b_rows = pl.ds(pl.multiple_of(j * bn, bn), bn)
-    scale_row = (j * bn) // BLOCK  # bn <= 128: one weight scale row for the whole tile
-    precision = jax.lax.Precision.HIGHEST if a_ref.dtype == jnp.float32 else None  # no TF32 rounding of A
-
-    def body(t, acc):
-        ks = pl.ds(pl.multiple_of(t * BLOCK, BLOCK), BLOCK)
-        kb = split * kbp + t
-        a = plgpu.load(a_ref.at[:, ks], mask=None if row_ok is None else row_ok[:, None])
-        b = plgpu.load(b_ref.at[layer, b_rows, pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)],
-                       mask=None if col_ok is None else col_ok[:, None])
-        sb = bs_ref[layer, pl.ds(scale_row, 1), pl.ds(kb, 1)]  # (1, 1)
-        w = (b.astype(jnp.float32) * sb).astype(a.dtype)
-        return acc + jax.lax.dot_general(a, w, (((1,), (1,)), ((), ())), precision=precision,
-                                         preferred_element_type=jnp.float32)
-
-    acc = jax.lax.fori_loop(0, kbp, body, jnp.zeros((bm, bn), jnp.float32))
-    _store_tile(o_ref, acc, row_ok, col_ok)
-
-
-def _store_tile(o_ref, acc, row_ok, col_ok):
-    """The (bm, bn) tile, its rows and columns past the edges (`*_ok`, None: none) left unwritten."""
-    mask = None if row_ok is None else row_ok[:, None]
+    mask = row_mask
     if col_ok is not None:
         mask = col_ok[None, :] if mask is None else mask & col_ok[None, :]
     plgpu.store(o_ref, acc.astype(o_ref.dtype), mask=mask)
