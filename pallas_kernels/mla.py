@@ -447,13 +447,15 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
     One program per (head, `v_blocks` V blocks of `block_v` columns, batch block of at most `block_b` rows); each
     merges its rows' splits itself, once for its V blocks (more V blocks a program: fewer programs, each split
     read by fewer of them). A program holds its rows' (block_b, C) float32 latents: more than 16 rows spill
-    registers.
+    registers. Under 16 rows (a power of two) the projection is products summed over C instead of a dot,
+    so that a program of a few rows holds no padding rows.
     """
     batch, splits, heads, rank = acc.shape
     w = _wkv_b_stack(_OUTPUT, wkv_b, layer, wkv_b_scale, heads, wkv_b.shape[-2] // heads - v_dim, rank,
                      q_latent.dtype)
     _check_block(_OUTPUT, "block_v", block_v, None if w.scale is None else BLOCK)
-    _check_block(_OUTPUT, "block_b", block_b)
+    if block_b < 1 or block_b & (block_b - 1):
+        fail(_OUTPUT, f"block_b={block_b} must be a power of two (under 16: rows projected without a dot)")
     if v_blocks < 1:
         fail(_OUTPUT, f"v_blocks={v_blocks} must be at least 1")
     v_blocks = min(v_blocks, cdiv(v_dim, block_v))
@@ -464,7 +466,7 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
     if batch == 0 or interpret_in_shard_map(interpret, acc, q_latent, wkv_b):
         return mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer, scale=scale,
                                      v_dim=v_dim, wkv_b_scale=wkv_b_scale)
-    block_b = min(block_b, _batch_block(batch))
+    block_b = block_b if block_b < 16 else min(block_b, _batch_block(batch))
     per_head = w.stack.shape[1] // heads
     kernel = functools.partial(_output_kernel, batch=batch, splits=splits, value_row=per_head - v_dim,
                                per_head=per_head, v_dim=v_dim, scale=scale, block_b=block_b, block_v=block_v,
@@ -549,6 +551,10 @@ def _project_value_block(latent, w_ref, s_ref, o_ref, layer, h, vb, bs, row_ok, 
         for c in range(w_v.shape[1] // BLOCK):
             col_scale = jnp.where(columns // BLOCK == c, s_ref[layer, scale_row, c], col_scale)
         w_v = _dequantized(w_v, col_scale[None, :], latent.dtype)
-    out = jax.lax.dot_general(latent, w_v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if latent.shape[0] < 16:  # under a Triton dot's side: products summed over C (no rows of zeros to carry)
+        f32 = jnp.float32
+        out = jnp.sum(latent.astype(f32)[:, None, :] * w_v.astype(f32)[None, :, :], axis=2)
+    else:
+        out = jax.lax.dot_general(latent, w_v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     plgpu.store(o_ref.at[bs, h, pl.ds(vb * block_v, block_v)], out.astype(o_ref.dtype),
                 mask=row_ok[:, None] & v_ok[None, :])

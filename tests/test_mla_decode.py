@@ -91,7 +91,8 @@ def test_absorbed_decode_in_three_launches(batch, heads, lengths, splits, kv_len
 
 @pytest.mark.parametrize("v_blocks", [2, 3])
 def test_decode_output_with_several_value_blocks_a_program(v_blocks, batch=18, heads=3, nope=16, v_dim=48, rank=64,
-                                                           rope=16, kv_len=96, dtype=jnp.float32, tol=1e-5):
+                                                           rope=16, kv_len=96, dtype=jnp.float32, tol=1e-5,
+                                                           block_b=16):
     """mla_decode_output with `v_blocks` V blocks a program, each merging its rows' splits once: V = 48 is three
     blocks of 16, so v_blocks 2 leaves the second program one block past V (it must store nothing, and the
     first program's two blocks both), 3 puts all of them in one program; 18 rows: two batch blocks. Against
@@ -105,12 +106,20 @@ def test_decode_output_with_several_value_blocks_a_program(v_blocks, batch=18, h
     splits = mla_decode_splits(q_latent, q_pe, kv, pe, jnp.int32(1), lengths, kv_len=kv_len, scale=0.3, block_t=32,
                                splits=3)
     got = mla_decode_output(*splits, q_latent, q_pe, new_kv, new_pe, wkv_b, jnp.int32(1), scale=0.3, v_dim=v_dim,
-                            v_blocks=v_blocks)
+                            v_blocks=v_blocks, block_b=block_b)
     latent = float64_attention(q_latent, q_pe, kv, pe, 1, np.asarray(lengths), new_kv, new_pe, 0.3)
     w = np.asarray(wkv_b, np.float64)[1].reshape(heads, nope + v_dim, rank)
     want = np.einsum("bhc,hdc->bhd", latent, w[:, nope:])
     assert got.shape == want.shape and got.dtype == dtype
     assert np.abs(np.asarray(got, np.float64) - want).max() <= tol * np.abs(want).max()
+
+
+@pytest.mark.parametrize("block_b, batch, v_blocks", [(1, 3, 1), (4, 18, 2)])
+def test_decode_output_rows_without_a_dot(block_b, batch, v_blocks):
+    """Programs of fewer rows than a Triton dot's side project by products summed over C: one row a program
+    (b=1's case), and 4-row programs over 18 rows (the last program half masked) with two V blocks each (the
+    second past V = 48), against float64."""
+    test_decode_output_with_several_value_blocks_a_program(v_blocks, batch=batch, block_b=block_b)
 
 
 def fp8_wkv_b(rng, heads, per_head, rank):
@@ -121,20 +130,24 @@ def fp8_wkv_b(rng, heads, per_head, rank):
     return w, jnp.asarray(scale / np.sqrt(rank), jnp.float32)
 
 
-def three_launches(q_nope, q_pe, kv, pe, new_kv, new_pe, lengths, wkv_b, wkv_b_scale, v_dim, kv_len):
-    """q_latent and the output of the absorbed decode at layer 1 of the cache and of wkv_b."""
+def three_launches(q_nope, q_pe, kv, pe, new_kv, new_pe, lengths, wkv_b, wkv_b_scale, v_dim, kv_len, block_b=16):
+    """q_latent and the output of the absorbed decode at layer 1 of the cache and of wkv_b (the output kernel's
+    programs of `block_b` rows)."""
     q_latent = mla_absorb_query(q_nope, wkv_b, jnp.int32(1), wkv_b_scale=wkv_b_scale)
     splits = mla_decode_splits(0.1 * q_latent, q_pe, kv, pe, jnp.int32(1), lengths, kv_len=kv_len, scale=0.3)
     return q_latent, mla_decode_output(*splits, 0.1 * q_latent, q_pe, new_kv, new_pe, wkv_b, jnp.int32(1),
-                                       scale=0.3, v_dim=v_dim, wkv_b_scale=wkv_b_scale)
+                                       scale=0.3, v_dim=v_dim, wkv_b_scale=wkv_b_scale, block_b=block_b)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_absorbed_decode_with_fp8_wkv_b(dtype, batch=3, heads=2, nope=128, v_dim=128, rank=256, kv_len=96):
+# one-row programs in float32 only: on the CPU, XLA keeps the products' bf16 weights in float32 (excess precision),
+# so that bf16 comparison would test XLA's rounding, not the kernel's
+@pytest.mark.parametrize("dtype, block_b", [(jnp.float32, 16), (jnp.bfloat16, 16), (jnp.float32, 1)])
+def test_absorbed_decode_with_fp8_wkv_b(dtype, block_b, batch=3, heads=2, nope=128, v_dim=128, rank=256, kv_len=96):
     """An fp8 wkv_b read with its block scales, each tile dequantized in the kernels. float32: against
     float64 on the fp8 values times their scales (a tile given another block's scale is >= 2x off). bf16:
     the same as the kernels fed weight_dequant's bf16 stack, to a quarter of a bf16 step (a dequantization
-    rounded otherwise moves outputs by whole steps)."""
+    rounded otherwise moves outputs by whole steps). The output kernel in programs of 16 rows (a dot) and of
+    one row (products summed)."""
     rng = np.random.default_rng(11)
     lengths = [(37 * b) % (kv_len - 5) for b in range(batch)]
     _, q_nope, kv, pe, q_pe, new_kv, new_pe = absorbed_case(rng, batch, heads, nope, v_dim, rank, 16, lengths,
@@ -142,7 +155,7 @@ def test_absorbed_decode_with_fp8_wkv_b(dtype, batch=3, heads=2, nope=128, v_dim
     w, scale = fp8_wkv_b(rng, heads, nope + v_dim, rank)
     lengths = jnp.array(lengths, jnp.int32)
     operands = (q_nope, q_pe, kv, pe, new_kv, new_pe, lengths)
-    q_latent, got = three_launches(*operands, w, scale, v_dim, kv_len)
+    q_latent, got = three_launches(*operands, w, scale, v_dim, kv_len, block_b)
     if dtype == jnp.float32:
         w64 = np.asarray(w[1], np.float64) * np.repeat(np.repeat(np.asarray(scale[1], np.float64), 128, 0), 128, 1)
         w64 = w64.reshape(heads, nope + v_dim, rank)
@@ -153,7 +166,8 @@ def test_absorbed_decode_with_fp8_wkv_b(dtype, batch=3, heads=2, nope=128, v_dim
         tol = 1e-5
     else:
         bf16 = jnp.stack([weight_dequant_ref(w[i], scale[i], 128, dtype) for i in range(2)])
-        want_q, want = (np.asarray(a, np.float64) for a in three_launches(*operands, bf16, None, v_dim, kv_len))
+        want_q, want = (np.asarray(a, np.float64)
+                        for a in three_launches(*operands, bf16, None, v_dim, kv_len, block_b))
         tol = 2.0 ** -10
     assert np.abs(np.asarray(q_latent, np.float64) - want_q).max() <= tol * np.abs(want_q).max()
     assert got.dtype == dtype and np.abs(np.asarray(got, np.float64) - want).max() <= tol * np.abs(want).max()
@@ -289,6 +303,16 @@ def test_decode_output_with_several_value_blocks_compiled_on_gpu(v_blocks):
     test_decode_output_with_several_value_blocks_a_program(v_blocks, batch=40, heads=16, nope=128, v_dim=128,
                                                            rank=512, rope=64, kv_len=1024, dtype=jnp.bfloat16,
                                                            tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_b, batch", [(1, 1), (4, 6)])
+def test_decode_output_rows_without_a_dot_compiled_on_gpu(block_b, batch):
+    """V2-Lite's head shape (D = V = 128, C = 512, rotary 64), bf16: programs of one row and of four (the second
+    half masked) projecting by products summed over C."""
+    test_decode_output_with_several_value_blocks_a_program(1, batch=batch, heads=16, nope=128, v_dim=128, rank=512,
+                                                           rope=64, kv_len=1024, dtype=jnp.bfloat16, tol=2e-2,
+                                                           block_b=block_b)
 
 
 @pytest.mark.gpu

@@ -117,6 +117,28 @@ def test_mla_decode_output_does_not_spill(batch, heads, splits, fp8, v_blocks, t
     assert spilled_bytes(report) == 0, report
 
 
+def registers(report: str) -> int:
+    """Registers a thread of the report's (last) kernel uses."""
+    return int(re.findall(r"Used (\d+) registers", report)[-1])
+
+
+@pytest.mark.parametrize("heads, splits, fp8", [(16, 10, False), (128, 9, True)])
+def test_mla_decode_output_one_row_programs_hold_no_padding_rows(heads, splits, fp8, tmp_path):
+    """At b=1, programs of one row (block_b 1, products summed over C) against the 16-row programs a dot needs:
+    no spill, and under half the registers (the 15 padding rows' merged latents gone), so more programs fit an
+    SM at once; V2-Lite's 16 heads and V3's 128 with its fp8 wkv_b."""
+    def output(block_b):
+        def launch(acc, m, l, q, qpe, kv, pe, wkv_b, scale):
+            return mla_decode_output(acc, m, l, q, qpe, kv, pe, wkv_b, jnp.int32(1), scale=0.1, v_dim=V,
+                                     wkv_b_scale=scale, block_b=block_b)
+        (ir,) = triton_modules(launch, *decode_operands(1, heads, splits, fp8))
+        return ptxas_report(ir, tmp_path)
+
+    one_row, padded = output(1), output(16)
+    assert spilled_bytes(one_row) == 0, one_row
+    assert registers(one_row) < registers(padded) / 2, (one_row, padded)
+
+
 @pytest.mark.parametrize("batch, heads, fp8", [(1, 16, False), (8, 128, True), (16, 16, False), (32, 16, False)])
 def test_mla_absorb_query_and_decode_do_not_spill(batch, heads, fp8, tmp_path):
     """The query's absorption with the latent's norm and both rotaries, and the attention over the cache."""
