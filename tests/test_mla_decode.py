@@ -130,9 +130,9 @@ def fp8_wkv_b(rng, heads, per_head, rank):
     return w, jnp.asarray(scale / np.sqrt(rank), jnp.float32)
 
 
-def three_launches(q_nope, q_pe, kv, pe, new_kv, new_pe, lengths, wkv_b, wkv_b_scale, v_dim, kv_len, block_b=16):
+def three_launches(q_nope, q_pe, kv, pe, new_kv, new_pe, lengths, wkv_b, wkv_b_scale, v_dim, kv_len, block_b=None):
     """q_latent and the output of the absorbed decode at layer 1 of the cache and of wkv_b (the output kernel's
-    programs of `block_b` rows)."""
+    programs of `block_b` rows, None: its own choice)."""
     q_latent = mla_absorb_query(q_nope, wkv_b, jnp.int32(1), wkv_b_scale=wkv_b_scale)
     splits = mla_decode_splits(0.1 * q_latent, q_pe, kv, pe, jnp.int32(1), lengths, kv_len=kv_len, scale=0.3)
     return q_latent, mla_decode_output(*splits, 0.1 * q_latent, q_pe, new_kv, new_pe, wkv_b, jnp.int32(1),
@@ -325,8 +325,8 @@ def test_mla_decode_compiled_on_gpu(heads, lengths):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_absorbed_decode_with_fp8_wkv_b_on_gpu(batch):
     """V3's head shape (D = V = 128, C = 512) with an fp8 wkv_b, bf16, compiled: the same as the kernels
-    fed weight_dequant's bf16 stack."""
-    test_absorbed_decode_with_fp8_wkv_b(jnp.bfloat16, batch=batch, heads=16, rank=512)
+    fed weight_dequant's bf16 stack; the output kernel's own programs (one row at batch 1, 16 rows at 8)."""
+    test_absorbed_decode_with_fp8_wkv_b(jnp.bfloat16, None, batch=batch, heads=16, rank=512)
 
 
 def test_the_models_decode_step_norms_the_latent_in_the_query_launch(monkeypatch):
