@@ -18,7 +18,7 @@ args=("$@")
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 # the files whose GPU tests take minutes in one process (each builds and compiles several models), each with
 # its process count
-SPLIT=(tests/test_layer_mix_gpu.py:3 tests/test_auto_paths_gpu.py:3 tests/test_grouped_gemm.py:2)
+SPLIT=(tests/test_layer_mix_gpu.py:3 tests/test_auto_paths_gpu.py:5 tests/test_grouped_gemm.py:2)
 
 run_one() {  # a test file and its shard ("i/n", or "" for the whole file)
   local name
