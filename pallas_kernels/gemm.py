@@ -155,10 +155,7 @@ def fp8_gemm(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dty
       C with shape (..., N) and dtype out_dtype.
     """
     out_dtype = check_out_dtype(_FN, out_dtype)
-    if b.ndim not in (2, 3) or (b.ndim == 3) != (layer is not None):
-        fail(_FN, f"b has shape {tuple(b.shape)}: a stack (L, N, K) goes with `layer`, (N, K) without")
-    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
-    b, b_s = (b, b_s) if b.ndim == 3 else (b[None], b_s[None])
+    b, b_s, layer = _weight_stack(_FN, b, b_s, layer)
     m, n, k = _check(a, a_s, b, b_s)
     path = choose_path(m, n, k, impl, hopper())
     if m == 0 or n == 0:
@@ -170,9 +167,7 @@ def fp8_gemm(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dty
     if path == "mosaic":
         c = _mosaic_2d(a2, a_s2, *_one_layer(b, b_s, layer), out_dtype, mosaic_config, interpret)
     else:
-        if 2**31 <= b.size < 2**32:  # Triton would address this 1-byte ref with 32-bit signed offsets
-            b, b_s, layer = *(x[None] for x in _one_layer(b, b_s, layer)), jnp.zeros((1,), jnp.int32)
-        c = _fp8_gemm_2d(a2, a_s2, b, b_s, layer, out_dtype, default_config(m, n, k), interpret)
+        c = _fp8_gemm_2d(a2, a_s2, *_addressable(b, b_s, layer), out_dtype, default_config(m, n, k), interpret)
     return c.reshape(*a.shape[:-1], n)
 
 
@@ -188,10 +183,7 @@ def dequant_gemm(a: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.float
     """
     out_dtype = check_out_dtype(_FN_DEQUANT, out_dtype)
     check_dtype(_FN_DEQUANT, "a", a, (jnp.bfloat16, jnp.float16, jnp.float32), "bfloat16, float16 or float32")
-    if b.ndim not in (2, 3) or (b.ndim == 3) != (layer is not None):
-        fail(_FN_DEQUANT, f"b has shape {tuple(b.shape)}: a stack (L, N, K) goes with `layer`, (N, K) without")
-    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
-    b, b_s = (b, b_s) if b.ndim == 3 else (b[None], b_s[None])
+    b, b_s, layer = _weight_stack(_FN_DEQUANT, b, b_s, layer)
     m, n, k = _check_weight(_FN_DEQUANT, a, b, b_s)
     if m == 0 or n == 0:
         return jnp.zeros((*a.shape[:-1], n), out_dtype)
@@ -200,10 +192,26 @@ def dequant_gemm(a: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.float
         w = weight_dequant_ref(*_one_layer(b, b_s, layer), out_dtype=a.dtype)
         return jnp.einsum("...k,nk->...n", a, w, precision=jax.lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32).astype(out_dtype)
-    if 2**31 <= b.size < 2**32:  # Triton would address this 1-byte ref with 32-bit signed offsets
-        b, b_s, layer = *(x[None] for x in _one_layer(b, b_s, layer)), jnp.zeros((1,), jnp.int32)
-    c = _fp8_gemm_2d(a.reshape(m, k), None, b, b_s, layer, out_dtype, default_config(m, n, k), interpret)
+    c = _fp8_gemm_2d(a.reshape(m, k), None, *_addressable(b, b_s, layer), out_dtype, default_config(m, n, k),
+                     interpret)
     return c.reshape(*a.shape[:-1], n)
+
+
+def _weight_stack(fn: str, b, b_s, layer):
+    """b, b_s as a stack of layers (L, N, K), (L, ceil(N/128), K/128) (a 2-D weight: one layer) and `layer` as
+    (1,) int32."""
+    if b.ndim not in (2, 3) or (b.ndim == 3) != (layer is not None):
+        fail(fn, f"b has shape {tuple(b.shape)}: a stack (L, N, K) goes with `layer`, (N, K) without")
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    return (b, b_s, layer) if b.ndim == 3 else (b[None], b_s[None], layer)
+
+
+def _addressable(b, b_s, layer):
+    """The Triton kernel's weight operands: the stack read in place, or its layer sliced out where Triton would
+    address the 1-byte stack with 32-bit signed offsets (2^31 to 2^32 elements)."""
+    if 2**31 <= b.size < 2**32:
+        return *(x[None] for x in _one_layer(b, b_s, layer)), jnp.zeros((1,), jnp.int32)
+    return b, b_s, layer
 
 
 def _one_layer(b, b_s, layer):
