@@ -68,8 +68,8 @@ class RunOptions:
                                                                      "no loop between layers)"})
     fuse_shared_experts: bool = dataclasses.field(default=True, metadata={
         "help": "run the shared experts inside the routed experts' kernels, as experts every token selects, "
-                "where the step runs moe_impl slots and each rank's shared hidden units split into whole "
-                "experts"})
+                "where the step runs moe_impl slots or fused and each rank's shared hidden units split into "
+                "whole experts"})
 
     def __post_init__(self):
         # the short names ModelArgs and the reference use for storage are accepted here too

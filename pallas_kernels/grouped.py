@@ -65,7 +65,8 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
       w: (G, N, K) in x's dtype, or float8_e4m3fn with w_scale float32 (G, ceil(N/128), K/128).
         With `layer`, w is a stack (L, G, N, K) (w_scale (L, G, ...)) and layer[()] picks one: the
         kernel indexes the stack itself, so a layer loop need not copy its slice out first.
-      group_sizes: int32 (G,): rows of each group, in order; rows past their sum come out zero.
+      group_sizes: int32 (G,): rows of each group, in order; rows past their sum come out zero. With
+        `shared_w`, (G + S,): the routed groups' rows, then each shared chunk's.
       row_groups: int32 (M,), instead of group_sizes: the group of each row; rows naming no group
         (< 0 or >= G, e.g. another rank's expert) come out zero.
       row_scale: optional float32 (M,): row r's float32 result is multiplied by row_scale[r] before
@@ -74,8 +75,8 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
         with an fp8 weight, so that one scale covers a tile's columns). Triton kernel only.
       backend: "auto", "triton" or "mosaic" (the latter in Mosaic GPU interpret mode off a GPU).
       mosaic_tiles: the Mosaic kernel's tiles and pipeline depth (default `MosaicTiles()`).
-      shared_w: optional (N, S * K) (fp8: with shared_w_scale (ceil(N/128), S * K/128)), with row_groups:
-        S more groups G .. G + S - 1 that are K-chunks of one wide weight, group G + s its columns
+      shared_w: optional (N, S * K) (fp8: with shared_w_scale (ceil(N/128), S * K/128)), with any form of
+        the groups: S more groups G .. G + S - 1 that are K-chunks of one wide weight, group G + s its columns
         [s K, (s + 1) K): the down projection of shared experts stored as one MLP (see
         `grouped_gemm_swiglu`'s shared_w1), run as experts every token selects, in the same launch.
         With `layer`, a stack (L, N, S * K) of which the kernel reads the same layer as of w.
@@ -147,10 +148,10 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
     silu(a1) * a3 in float32 before storing h in `out_dtype` (default: x's dtype; bfloat16 for fp8 x with
     `x_scale`, grouped_gemm's fp8 products). Rows past the groups come out zero.
 
-    shared_w1, shared_w3 (S * N, K) (fp8: with their scales), with row_groups: the shared experts of an
-    MoE layer stored as one MLP of S * N hidden units, run as S more groups G .. G + S - 1, group G + s
-    their hidden units [s N, (s + 1) N): experts every token selects, in the same launch. With `layer`,
-    stacks (L, S * N, K) read at that layer in place, as w1 and w3 are.
+    shared_w1, shared_w3 (S * N, K) (fp8: with their scales), with any form of the groups (group_sizes then
+    (G + S,)): the shared experts of an MoE layer stored as one MLP of S * N hidden units, run as S more
+    groups G .. G + S - 1, group G + s their hidden units [s N, (s + 1) N): experts every token selects, in
+    the same launch. With `layer`, stacks (L, S * N, K) read at that layer in place, as w1 and w3 are.
 
     slot_experts (T, k), expert_offset: as `grouped_gemm`'s, with x (T, K) one row a token: the output's
     rows are the T k routed slots token-major, then each shared chunk's T rows (the down projection's x).
@@ -276,9 +277,10 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     if form != "slots" and row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
         fail(fn, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 ({m},)")
     n, n_groups, fp8 = w.shape[-2], w.shape[-3], w_scale is not None
-    if shared is not None and form == "sizes":
-        fail(fn, "shared weights go with row_groups or slot_experts (each row naming its group)")
     n_shared = 0 if shared is None else shared.count(fn, n, k, fp8, x.dtype, stacked)
+    if form == "sizes" and ids.shape[0] != n_groups + n_shared:
+        fail(fn, f"group_sizes has {ids.shape[0]} entries for {n_groups} groups in w"
+                 + (f" and {n_shared} shared chunks" if n_shared else ""))
     slots = None if form != "slots" else _slot_layout(fn, x, group_data, n_shared, row_scale)
     interpret = use_interpret()
     if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, *ws, *group_operands):
@@ -647,8 +649,6 @@ def _check(fn, x, w, groups_form, w_scale, block_m, block_n, x_scale=None) -> tu
         fail(fn, f"w has shape {tuple(w.shape)}, expected (G, N, {k}) with K from x")
     if k % BLOCK:
         fail(fn, f"x has last dim K={k}, which must be a multiple of {BLOCK}")
-    if form == "sizes" and group_data.shape[0] != groups:
-        fail(fn, f"group_sizes has {group_data.shape[0]} entries for {groups} groups in w")
     if form == "rows" and group_data.shape[0] != m:
         fail(fn, f"row_groups has {group_data.shape[0]} entries for the {m} rows of x")
     if not jnp.issubdtype(group_data.dtype, jnp.integer):

@@ -240,15 +240,15 @@ def gemms_outside_kernels(jaxpr) -> int:
     return count
 
 
-@pytest.mark.parametrize("num_devices", [1, 4])
-def test_shared_experts_run_inside_the_slot_kernels(random_model, num_devices):
+@pytest.mark.parametrize("num_devices, moe_impl", [(1, "slots"), (4, "slots"), (1, "fused"), (4, "fused")])
+def test_shared_experts_run_inside_the_grouped_kernels(random_model, num_devices, moe_impl):
     """`fuse_shared_experts`: the 4 shared experts (4 x 128 hidden units; on 4 ranks one each) run as more
-    experts of the slot kernels, so the shared MLP's three GEMMs leave the (scanned) MoE layer's XLA program,
-    and a decode step's logits equal those with the shared experts apart, which
-    test_fused_moe_matches_ragged's slots cases hold to ragged (float32: a dropped or misread shared expert
-    moves them by O(1)). The weights are the module's random bf16 model's (on 4 devices placed from the
-    host: no random-init program for that mesh)."""
-    models = {fuse: same_weights(random_model("bf16"), make_mesh(num_devices), moe_impl="slots",
+    experts of the slot kernels, or as groups after the routed ones in the fused path's sorted rows, so the
+    shared MLP's three GEMMs leave the (scanned) MoE layer's XLA program, and a decode step's logits equal
+    those with the shared experts apart, which test_fused_moe_matches_ragged holds to ragged (float32: a
+    dropped, misread or misweighted shared expert moves them by O(1)). The weights are the module's random
+    bf16 model's (on 4 devices placed from the host: no random-init program for that mesh)."""
+    models = {fuse: same_weights(random_model("bf16"), make_mesh(num_devices), moe_impl=moe_impl,
                                  fuse_shared_experts=fuse) for fuse in (True, False)}
     tokens, start, last = np.array([[5], [7]], np.int32), np.array([0, 0], np.int32), np.zeros(2, np.int32)
     gemms, logits = {}, {}

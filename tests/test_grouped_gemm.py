@@ -216,14 +216,15 @@ def _dequant64(w, scale):
     return (w * full).astype(np.float32).astype(np.float64)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_shared_chunks_run_as_more_groups(fp8):
+@pytest.mark.parametrize("fp8, form", [(False, "rows"), (True, "rows"), (False, "sizes"), (True, "sizes")])
+def test_shared_chunks_run_as_more_groups(fp8, form):
     """Shared experts stored as one MLP (w1, w3 (S N, K), w2 (N, S K)) run as groups G .. G + S - 1 of the
-    row_groups kernels, beside a layer of a routed stack: chunk s is hidden units [s N, (s + 1) N) of w1 and
-    w3 and columns [s K, (s + 1) K) of w2 (a kernel that read chunk 0 for every s, or the routed weights,
-    or the wrong layer, is off by O(1)); the twin (concatenated groups) agrees. Against float64. The
-    swiglu reads stacks of both at `layer` in place (the layer scan's form); the down projection takes
-    one layer's weights (an unstacked MoE's form)."""
+    kernels, beside a layer of a routed stack: chunk s is hidden units [s N, (s + 1) N) of w1 and w3 and
+    columns [s K, (s + 1) K) of w2 (a kernel that read chunk 0 for every s, or the routed weights, or the
+    wrong layer, is off by O(1)); the twin (concatenated groups) agrees. Against float64. The swiglu reads
+    stacks of both at `layer` in place (the layer scan's form); the down projection takes one layer's
+    weights (an unstacked MoE's form). Rows naming their groups (`row_groups`), or the same rows sorted by
+    group with `group_sizes` of G + S entries (the "fused" decode path's form; rows naming none last)."""
     rng = np.random.default_rng(21 + fp8)
     groups, chunks, n, k, layer = 3, 2, 128, 256, 1
     (w1, s1), (w3, s3), _ = (routed := _shared_case(rng, fp8, groups, chunks, n, k))[0]
@@ -231,6 +232,11 @@ def test_shared_chunks_run_as_more_groups(fp8):
     # 3, 4: shared chunks 0, 1; -1 and 5 name none. Single shared rows, then runs of one chunk longer and
     # shorter than a tile (16 rows), which the kernel reads in merged tiles (a wrong tile end misses rows)
     row_groups = np.array([4, 0, 3, -1, 2, 4, 3, 5] + [3] * 18 + [4] * 3 + [1], np.int32)
+    in_range = (row_groups >= 0) & (row_groups < groups + chunks)
+    sizes = np.bincount(row_groups[in_range], minlength=groups + chunks).astype(np.int32)
+    if form == "sizes":  # sorted: chunk 0's 20 rows span two tiles, the rows naming none after every group
+        row_groups = row_groups[np.argsort(np.where(in_range, row_groups, groups + chunks), stable=True)]
+    groups_kw = dict(row_groups=row_groups) if form == "rows" else dict(group_sizes=sizes)
     x = rng.standard_normal((len(row_groups), k)).astype(np.float32)
     row_scale = rng.uniform(-2, 2, len(row_groups)).astype(np.float32)
 
@@ -255,16 +261,16 @@ def test_shared_chunks_run_as_more_groups(fp8):
     a1 = product(weights64(w1, s1, sw1, ss1, "n"), xs)
     a3 = product(weights64(w3, s3, sw3, ss3, "n"), xs)
     want_h = _silu(a1) * a3
-    kw = dict(row_groups=row_groups, layer=np.int32(layer))
-    h = swiglu(x, w1, w3, None, s1, s3, shared_w1=sw1, shared_w3=sw3, shared_w1_scale=ss1, shared_w3_scale=ss3, **kw)
+    h = swiglu(x, w1, w3, w1_scale=s1, w3_scale=s3, shared_w1=sw1, shared_w3=sw3, shared_w1_scale=ss1,
+               shared_w3_scale=ss3, layer=np.int32(layer), **groups_kw)
     assert np.linalg.norm(np.asarray(h) - want_h) / np.linalg.norm(want_h) < 1e-5
     # the down projection: routed (G, N, K) stand-ins and the shared (N, S K) chunked along K, one layer of each
     h_in = rng.standard_normal((len(row_groups), k)).astype(np.float32)
     w2, s2 = routed[0][2]
     want = product(weights64(w2, s2, sw2, ss2, "k"), np.asarray(h_in, np.float64)) * np.asarray(row_scale)[:, None]
     one = lambda a: None if a is None else a[layer]  # noqa: E731
-    got = np.asarray(gemm(h_in, one(w2), None, one(s2), shared_w=one(sw2), shared_w_scale=one(ss2),
-                          row_scale=row_scale, row_groups=row_groups))
+    got = np.asarray(gemm(h_in, one(w2), w_scale=one(s2), shared_w=one(sw2), shared_w_scale=one(ss2),
+                          row_scale=row_scale, **groups_kw))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
     named = (row_groups >= 0) & (row_groups < groups + chunks)
     assert not np.any(got[~named]) and not np.any(np.asarray(h)[~named])
@@ -273,7 +279,8 @@ def test_shared_chunks_run_as_more_groups(fp8):
     groups_w = np.concatenate([routed_w2, np.stack([_dequant64(sw2, ss2)[layer, :, c * k:(c + 1) * k]
                                                     for c in range(chunks)])]).astype(np.float32)
     with jax.default_device(jax.devices()[0]):
-        stated = twin(h_in, groups_w, None, row_scale=row_scale, row_groups=row_groups)
+        stated = twin(h_in, groups_w, groups_kw.get("group_sizes"), row_scale=row_scale,
+                      row_groups=groups_kw.get("row_groups"))
     assert np.linalg.norm(np.asarray(stated) - want) / np.linalg.norm(want) < 1e-5
 
 
@@ -284,7 +291,8 @@ def test_shared_chunks_are_checked():
         grouped_gemm(x, w, row_groups=rows, shared_w=jnp.zeros((64, 200)))
     with pytest.raises(ValueError, match=r"shared weight has shape \(64, 256\), expected \(L, N, S \* K\)"):
         grouped_gemm(x, w[None], row_groups=rows, layer=0, shared_w=jnp.zeros((64, 256)))  # a stack's one layer
-    with pytest.raises(ValueError, match="grouped_gemm_swiglu: shared weights go with row_groups"):
+    with pytest.raises(ValueError, match="grouped_gemm_swiglu: group_sizes has 2 entries for 2 groups in w and 2 "
+                                         "shared chunks"):
         grouped_gemm_swiglu(x, w, w, jnp.array([2, 2], jnp.int32), shared_w1=jnp.zeros((128, 128)),
                             shared_w3=jnp.zeros((128, 128)))
     with pytest.raises(ValueError, match="grouped_gemm_swiglu: shared_w1 and shared_w3 go together"):
@@ -451,4 +459,5 @@ def test_fused_kernels_on_gpu(fp8):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_shared_chunks_compiled_on_gpu(fp8):
-    test_shared_chunks_run_as_more_groups(fp8)
+    test_shared_chunks_run_as_more_groups(fp8, "rows")
+    test_shared_chunks_run_as_more_groups(fp8, "sizes")

@@ -188,8 +188,8 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     `row_scale` (M,) float32 multiplies each row's float32 result (in the kernel, before its store).
     `slot_experts` (T, k) and `expert_offset` (kernel only) replace group_sizes: the rows are T tokens'
     k routed slots, each naming its expert (`grouped_gemm`'s slots form; row_scale then (T k,)).
-    `shared_w` (out, S * in) (kernel, with slot_experts): S more experts past the routed ones, chunks of it
-    along `in` (the shared experts' down projection; `grouped_gemm`).
+    `shared_w` (out, S * in) (kernel): S more experts past the routed ones, chunks of it along `in` (the shared
+    experts' down projection; `grouped_gemm`); group_sizes then (E + S,).
     """
     if use_kernel:
         x, x_scale, tiles = _kernel_inputs(x, scale is not None, gemm_impl, scale_fmt, slot_experts is not None)
@@ -229,6 +229,21 @@ def grouped_swiglu(x: jnp.ndarray, w1: jnp.ndarray, w3: jnp.ndarray, scale1: jnp
                                expert_offset=expert_offset, **shared, **tiles)
 
 
+def _scale(linear: Linear) -> jnp.ndarray | None:
+    """A Linear's block scales (fp8), or None."""
+    return None if linear.scale is None else linear.scale[...]
+
+
+def _shared_kernel_weights(shared: MLP | None) -> tuple[dict, dict]:
+    """The shared experts' weights as the grouped kernels' shared chunks: the swiglu launch's and the down
+    projection's keyword arguments (empty without `shared`)."""
+    if shared is None:
+        return {}, {}
+    return (dict(shared_w1=shared.w1.weight[...], shared_w3=shared.w3.weight[...], shared_w1_scale=_scale(shared.w1),
+                 shared_w3_scale=_scale(shared.w3)),
+            dict(shared_w=shared.w2.weight[...], shared_w_scale=_scale(shared.w2)))
+
+
 class Experts(nnx.Module):
     """The routed experts of one MoE layer, stacked (E, out, in) and split over ranks by expert.
 
@@ -253,12 +268,12 @@ class Experts(nnx.Module):
 
     def shared_chunks(self, shared: MLP, tokens: int, topk: int, ctx: StepContext) -> int:
         """How many experts of this layer's shape the shared experts `shared` make inside this step's
-        slot kernels (`RunOptions.fuse_shared_experts`), or 0 where they run apart: not a "slots" step,
-        this rank's shared hidden units not a whole number of experts, or fp8 experts whose hidden units
-        are not whole 128-blocks (each chunk needs its own block scales)."""
+        grouped kernels (`RunOptions.fuse_shared_experts`), or 0 where they run apart: not a "slots" or
+        "fused" step, this rank's shared hidden units not a whole number of experts, or fp8 experts whose
+        hidden units are not whole 128-blocks (each chunk needs its own block scales)."""
         inter, width = self.w1.weight.shape[-2], shared.w1.weight.shape[-2]
-        if (not ctx.options.fuse_shared_experts or self.impl(tokens, topk, ctx) != "slots" or width % inter
-                or (shared.w1.scale is not None and inter % FP8_BLOCK)):
+        if (not ctx.options.fuse_shared_experts or self.impl(tokens, topk, ctx) not in ("slots", "fused")
+                or width % inter or (shared.w1.scale is not None and inter % FP8_BLOCK)):
             return 0
         return width // inter
 
@@ -269,11 +284,10 @@ class Experts(nnx.Module):
         moe_impl "auto" picks by the step's size (`auto_moe_impl`): on a GPU "slots" for a few
         tokens, "fused" for decode-sized steps, the grouped kernel for prefill; elsewhere it
         gathers the experts in use when they are few (decoding), else runs `ragged_dot` over all
-        local experts. "fused" runs two Pallas launches: w1, w3 and silu * mul in one
-        (`grouped_gemm_swiglu`), then w2 with the routing weights applied to its accumulator
-        (`row_scale`). `shared` (only where `shared_chunks` is not 0): the shared experts' MLP, whose
-        output joins this one, computed in the same slot kernels. `x_fp8`: x's act_quant made already (by
-        the norm before), for the slot and fused kernels' fp8 activations."""
+        local experts ("slots": `_slots`, "fused": `_fused`). `shared` (only where `shared_chunks` is not 0):
+        the shared experts' MLP, whose
+        output joins this one, computed in the same "slots" or "fused" launches. `x_fp8`: x's act_quant made
+        already (by the norm before), for the slot and fused kernels' fp8 activations."""
         tokens, topk = indices.shape
         stacked = self.w1.weight.ndim == 4
         if stacked != (stack_index is not None):
@@ -283,8 +297,10 @@ class Experts(nnx.Module):
         moe_impl = self.impl(tokens, topk, ctx)
         if moe_impl == "slots":
             return self._slots(x, weights, indices, first, ctx, stack_index, shared, x_fp8)
+        if moe_impl == "fused":
+            return self._fused(x, weights, indices, first, ctx, stack_index, shared, x_fp8)
         if shared is not None:
-            raise ValueError("Experts: the shared experts join the routed ones' kernels in slots steps only")
+            raise ValueError("Experts: the shared experts join the routed ones' kernels in slots and fused steps only")
         local_ids = indices.reshape(-1) - first
         mine = (local_ids >= 0) & (local_ids < local_experts)
         sort_key = jnp.where(mine, local_ids, local_experts)  # foreign assignments sort to the end
@@ -295,7 +311,7 @@ class Experts(nnx.Module):
         # ragged_dot reads every expert's weights whatever the group sizes; the grouped kernel reads
         # only the experts in use, and without it, with few rows, the experts in use are gathered
         # first (ascending, like the sorted rows).
-        use_kernel, gather = moe_impl in ("kernel", "fused"), moe_impl == "gather"
+        use_kernel, gather = moe_impl == "kernel", moe_impl == "gather"
         in_layer = (lambda a: a) if not stacked else (  # noqa: E731
             lambda a: jax.lax.dynamic_index_in_dim(a, stack_index, 0, keepdims=False))
         if gather:
@@ -315,21 +331,40 @@ class Experts(nnx.Module):
                                   **ctx.gemm, use_kernel=use_kernel,
                                   stack_index=stack_index if use_kernel and stacked else None)
 
-        if moe_impl == "fused":
-            # rows of other ranks' experts sort past the groups: the kernels leave them zero
-            scale = lambda linear: None if linear.scale is None else linear.scale[...]  # noqa: E731
-            rows_fp8 = None if x_fp8 is None else tuple(jnp.take(a, token_of, axis=0) for a in x_fp8)
-            hidden = grouped_swiglu(rows, self.w1.weight[...], self.w3.weight[...], scale(self.w1), scale(self.w3),
-                                    group_sizes.astype(jnp.int32), **ctx.gemm,
-                                    stack_index=stack_index if stacked else None, x_fp8=rows_fp8)
-            row_weights = jnp.where(mine[order], weights.reshape(-1)[order], 0.0).astype(jnp.float32)
-            out = grouped_matmul(hidden, self.w2.weight[...], scale(self.w2), group_sizes.astype(jnp.int32),
-                                 **ctx.gemm, use_kernel=True, stack_index=stack_index if stacked else None,
-                                 row_scale=row_weights)
-            return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
         hidden = (jax.nn.silu(gmm(self.w1, rows)) * gmm(self.w3, rows)).astype(x.dtype)
         out = gmm(self.w2, hidden) * weights.reshape(-1)[order][:, None]
         out = jnp.where(mine[order][:, None], out, 0.0)  # rows of other ranks' experts were not computed
+        return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
+
+    def _fused(self, x, weights, indices, first, ctx: StepContext, stack_index,
+               shared: MLP | None, x_fp8=None) -> jnp.ndarray:
+        """moe_impl "fused": the (token, choice) assignments sorted by this rank's expert, their rows gathered,
+        then two Pallas launches: w1, w3 and silu * mul in one (`grouped_gemm_swiglu`), w2 with the routing
+        weights applied to its accumulator (`row_scale`); the rows scatter-added back to their tokens. With
+        `shared`, every token has one more assignment per shared expert (`shared_chunks`; weight 1), groups
+        past the routed ones that the kernels read from the shared MLP's weights in place, tiles of several
+        tokens' rows. Assignments of other ranks' experts sort past every group: the kernels leave them zero."""
+        tokens, topk = indices.shape
+        local_experts = self.w1.weight.shape[-3]
+        chunks = 0 if shared is None else shared.w1.weight.shape[-2] // self.w1.weight.shape[-2]
+        local_ids = indices.reshape(-1) - first
+        mine = (local_ids >= 0) & (local_ids < local_experts)
+        groups = local_experts + chunks
+        sort_key = jnp.concatenate([jnp.where(mine, local_ids, groups),
+                                    local_experts + jnp.repeat(jnp.arange(chunks, dtype=local_ids.dtype), tokens)])
+        order = jnp.argsort(sort_key, stable=True)
+        token_of = jnp.concatenate([jnp.arange(tokens * topk) // topk, jnp.tile(jnp.arange(tokens), chunks)])[order]
+        group_sizes = jnp.bincount(sort_key, length=groups + 1)[:-1].astype(jnp.int32)
+        row_weights = jnp.concatenate([jnp.where(mine, weights.reshape(-1), 0.0).astype(jnp.float32),
+                                       jnp.ones((chunks * tokens,), jnp.float32)])[order]
+        fused, down = _shared_kernel_weights(shared)
+        layer = stack_index if self.w1.weight.ndim == 4 else None
+        rows_fp8 = None if x_fp8 is None else tuple(jnp.take(a, token_of, axis=0) for a in x_fp8)
+        hidden = grouped_swiglu(jnp.take(x, token_of, axis=0), self.w1.weight[...], self.w3.weight[...],
+                                _scale(self.w1), _scale(self.w3), group_sizes, **ctx.gemm, stack_index=layer,
+                                x_fp8=rows_fp8, **fused)
+        out = grouped_matmul(hidden, self.w2.weight[...], _scale(self.w2), group_sizes, **ctx.gemm, use_kernel=True,
+                             stack_index=layer, row_scale=row_weights, **down)
         return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
 
     def _slots(self, x, weights, indices, first, ctx: StepContext, stack_index,
@@ -344,17 +379,12 @@ class Experts(nnx.Module):
         tokens' rows to a tile."""
         tokens, topk = weights.shape
         stacked = stack_index if self.w1.weight.ndim == 4 else None
-        scale = lambda linear: None if linear.scale is None else linear.scale[...]  # noqa: E731
-        fused, down, chunks = {}, {}, 0
-        if shared is not None:
-            chunks = shared.w1.weight.shape[-2] // self.w1.weight.shape[-2]
-            fused = dict(shared_w1=shared.w1.weight[...], shared_w3=shared.w3.weight[...],
-                         shared_w1_scale=scale(shared.w1), shared_w3_scale=scale(shared.w3))
-            down = dict(shared_w=shared.w2.weight[...], shared_w_scale=scale(shared.w2))
+        chunks = 0 if shared is None else shared.w1.weight.shape[-2] // self.w1.weight.shape[-2]
+        fused, down = _shared_kernel_weights(shared)
         slots = dict(slot_experts=indices, expert_offset=first, stack_index=stacked, **ctx.gemm)
-        hidden = grouped_swiglu(x, self.w1.weight[...], self.w3.weight[...], scale(self.w1), scale(self.w3), None,
+        hidden = grouped_swiglu(x, self.w1.weight[...], self.w3.weight[...], _scale(self.w1), _scale(self.w3), None,
                                 **slots, **fused, x_fp8=x_fp8)
-        out = grouped_matmul(hidden, self.w2.weight[...], scale(self.w2), None, use_kernel=True,
+        out = grouped_matmul(hidden, self.w2.weight[...], _scale(self.w2), None, use_kernel=True,
                              row_scale=weights.reshape(-1).astype(jnp.float32), **slots, **down)
         routed = out[:tokens * topk].reshape(tokens, topk, -1).sum(axis=1)
         return routed + out[tokens * topk:].reshape(chunks, tokens, -1).sum(axis=0) if chunks else routed
@@ -364,7 +394,7 @@ class MoE(nnx.Module):
     """Gate + routed experts + shared experts; one reduction over the experts' ranks assembles the
     output (`Layout.reduction`: a psum, or, when the batch is split over those ranks too, a gather
     of the rows before and a reduce-scatter after). Shared experts split like the routed experts
-    join that reduction (inside the routed experts' slot kernels where `Experts.shared_chunks` says
+    join that reduction (inside the routed experts' grouped kernels where `Experts.shared_chunks` says
     so); replicated ones run on this rank's own rows after it."""
 
     def __init__(self, args: ModelArgs, *, stack: tuple[int, ...] = (), param_dtype=jnp.bfloat16,
