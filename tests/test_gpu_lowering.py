@@ -96,12 +96,14 @@ def test_every_auto_path_lowers_for_an_h200(built, weights, gemm_impl):
             # decode-sized grouped launches read past their last row masked: no padded copy of their rows or scales
             assert not padded_copies(text), f"{what}: {padded_copies(text)}"
             # plain weights: attention's projections in three launches a layer (wq_a and wkv_a after attn_norm, wq_b
-            # after q_norm, and wo, which a few rows leave to XLA), and the MLP's two (w1 + w3, then w2: the dense
-            # layer's or the shared experts', each under BIG_PROJECTION_BYTES here) as dots past a few rows, on XLA
-            # below; fp8 weights keep act_quant and the fp8 GEMMs
+            # after q_norm, and wo, which a few rows leave to XLA), and the dense layers' MLP in two (w1 + w3, then
+            # w2, under BIG_PROJECTION_BYTES here) as dots past a few rows, on XLA below; the MoE layers' shared
+            # experts run inside the routed experts' grouped launches ("slots" and "fused"); fp8 weights keep
+            # act_quant and the fp8 GEMMs
             few_rows = batch <= VECTOR_MAX_ROWS
-            launches = 0 if weights == "fp8" else (3 - few_rows) + 2 * (not few_rows)
-            assert names["norm_project"] == launches * model.args.n_layers, f"{what}: {dict(names)}"
+            attention, dense_mlp = (0, 0) if weights == "fp8" else (3 - few_rows, 2 * (not few_rows))
+            launches = attention * args.n_layers + dense_mlp * args.n_dense_layers
+            assert names["norm_project"] == launches, f"{what}: {dict(names)}"
         if weights == "fp8" and gemm_impl == "bf16":
             # decode-sized steps dequantize fp8 projections inside dequant_gemm's kernel, prefill first
             assert ("weight_dequant" in names) == (seq > 1), f"{what}: {dict(names)}"
