@@ -285,9 +285,9 @@ class Experts(nnx.Module):
         tokens, "fused" for decode-sized steps, the grouped kernel for prefill; elsewhere it
         gathers the experts in use when they are few (decoding), else runs `ragged_dot` over all
         local experts ("slots": `_slots`, "fused": `_fused`). `shared` (only where `shared_chunks` is not 0):
-        the shared experts' MLP, whose
-        output joins this one, computed in the same "slots" or "fused" launches. `x_fp8`: x's act_quant made
-        already (by the norm before), for the slot and fused kernels' fp8 activations."""
+        the shared experts' MLP, whose output joins this one, computed in the same "slots" or "fused" launches.
+        `x_fp8`: x's act_quant made already (by the norm before), for the slot and fused kernels' fp8
+        activations."""
         tokens, topk = indices.shape
         stacked = self.w1.weight.ndim == 4
         if stacked != (stack_index is not None):
