@@ -435,7 +435,7 @@ def mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, laye
 
 
 def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=None, *, scale: float, v_dim: int,
-                      wkv_b_scale=None, block_v: int = 16, block_b: int | None = None, v_blocks: int = 1,
+                      wkv_b_scale=None, block_v: int | None = None, block_b: int | None = None, v_blocks: int = 1,
                       num_warps: int = 4, num_stages: int = 1) -> jax.Array:
     """The end of the absorbed decode attention in one launch: `mla_decode_splits`' partial softmaxes
     (acc, m, l) merged with the new entry's (scored from q_latent, q_pe, new_kv, new_pe as `mla_decode`
@@ -449,11 +449,14 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
     read by fewer of them). A program holds its rows' (block_b, C) float32 latents: more than 16 rows spill
     registers. Under 16 rows (a power of two) the projection is products summed over C instead of a dot,
     so that a program of a few rows holds no padding rows. `block_b` None: one row at batch 1, else 16.
+    `block_v` None: 64 above 16 rows with a wkv_b in q_latent's dtype (fewer programs, each merging its rows'
+    splits once), else 16 (an fp8 wkv_b's dequantized 64-wide tile spills beside 16 rows' latents).
     """
     batch, splits, heads, rank = acc.shape
     block_b = (1 if batch == 1 else 16) if block_b is None else block_b
     w = _wkv_b_stack(_OUTPUT, wkv_b, layer, wkv_b_scale, heads, wkv_b.shape[-2] // heads - v_dim, rank,
                      q_latent.dtype)
+    block_v = (64 if batch > 16 and w.scale is None else 16) if block_v is None else block_v
     _check_block(_OUTPUT, "block_v", block_v, None if w.scale is None else BLOCK)
     if block_b < 1 or block_b & (block_b - 1):
         fail(_OUTPUT, f"block_b={block_b} must be a power of two (under 16: rows projected without a dot)")

@@ -92,7 +92,7 @@ def test_absorbed_decode_in_three_launches(batch, heads, lengths, splits, kv_len
 @pytest.mark.parametrize("v_blocks", [2, 3])
 def test_decode_output_with_several_value_blocks_a_program(v_blocks, batch=18, heads=3, nope=16, v_dim=48, rank=64,
                                                            rope=16, kv_len=96, dtype=jnp.float32, tol=1e-5,
-                                                           block_b=16):
+                                                           block_b=16, block_v=16):
     """mla_decode_output with `v_blocks` V blocks a program, each merging its rows' splits once: V = 48 is three
     blocks of 16, so v_blocks 2 leaves the second program one block past V (it must store nothing, and the
     first program's two blocks both), 3 puts all of them in one program; 18 rows: two batch blocks. Against
@@ -106,7 +106,7 @@ def test_decode_output_with_several_value_blocks_a_program(v_blocks, batch=18, h
     splits = mla_decode_splits(q_latent, q_pe, kv, pe, jnp.int32(1), lengths, kv_len=kv_len, scale=0.3, block_t=32,
                                splits=3)
     got = mla_decode_output(*splits, q_latent, q_pe, new_kv, new_pe, wkv_b, jnp.int32(1), scale=0.3, v_dim=v_dim,
-                            v_blocks=v_blocks, block_b=block_b)
+                            v_blocks=v_blocks, block_b=block_b, block_v=block_v)
     latent = float64_attention(q_latent, q_pe, kv, pe, 1, np.asarray(lengths), new_kv, new_pe, 0.3)
     w = np.asarray(wkv_b, np.float64)[1].reshape(heads, nope + v_dim, rank)
     want = np.einsum("bhc,hdc->bhd", latent, w[:, nope:])
@@ -120,6 +120,14 @@ def test_decode_output_rows_without_a_dot(block_b, batch, v_blocks):
     (b=1's case), and 4-row programs over 18 rows (the last program half masked) with two V blocks each (the
     second past V = 48), against float64."""
     test_decode_output_with_several_value_blocks_a_program(v_blocks, batch=batch, block_b=block_b)
+
+
+@pytest.mark.parametrize("batch, v_dim", [(18, 80), (40, 64)])
+def test_decode_output_default_value_tiles_above_16_rows(batch, v_dim):
+    """Above 16 rows (a bf16 or float32 wkv_b) the output kernel's default V tiles are 64 wide: V = 80 is a full
+    tile and one 16 columns into the next (the rest masked), V = 64 one tile, over two and three batch blocks.
+    Against float64."""
+    test_decode_output_with_several_value_blocks_a_program(1, batch=batch, v_dim=v_dim, block_v=None)
 
 
 def fp8_wkv_b(rng, heads, per_head, rank):

@@ -100,10 +100,11 @@ def decode_operands(batch: int, heads: int, splits: int, fp8: bool) -> tuple:
 # group and of several (the V3 cut's b=8 at a 608-position window has 5, V2-Lite's b=1 and b=8 have 10), one V
 # block a program and several (the program's V blocks looped over after one merge; at V3's b=1 a head's eight V
 # blocks in one program is the candidate against 1,024 one-block programs). Batches of more than 16 rows
-# run in 16-row programs: 32- and 64-row ones spilled (benchmarks/NOTES.md)
+# run in 16-row programs: 32- and 64-row ones spilled (benchmarks/NOTES.md); there, with a bf16 wkv_b, the default
+# V tiles are 64 wide
 OUTPUT_CASES = [(1, 16, 10, False, 1), (8, 16, 10, False, 1), (8, 128, 5, True, 1), (1, 128, 10, True, 1),
                 (16, 16, 3, False, 1), (32, 16, 10, False, 1), (64, 128, 5, True, 1), (32, 16, 10, False, 8),
-                (8, 128, 5, True, 4), (1, 128, 9, True, 8)]
+                (64, 16, 5, False, 1), (8, 128, 5, True, 4), (1, 128, 9, True, 8)]
 
 
 @pytest.mark.parametrize("batch, heads, splits, fp8, v_blocks", OUTPUT_CASES)
