@@ -234,12 +234,13 @@ def _scale(linear: Linear) -> jnp.ndarray | None:
     return None if linear.scale is None else linear.scale[...]
 
 
-def _shared_kernel_weights(shared: MLP | None) -> tuple[dict, dict]:
-    """The shared experts' weights as the grouped kernels' shared chunks: the swiglu launch's and the down
-    projection's keyword arguments (empty without `shared`)."""
+def _shared_kernel_weights(shared: MLP | None, inter: int) -> tuple[int, dict, dict]:
+    """The shared experts' weights as the grouped kernels' shared chunks of `inter` hidden units each: the chunk
+    count, the swiglu launch's and the down projection's keyword arguments (0 and empty without `shared`)."""
     if shared is None:
-        return {}, {}
-    return (dict(shared_w1=shared.w1.weight[...], shared_w3=shared.w3.weight[...], shared_w1_scale=_scale(shared.w1),
+        return 0, {}, {}
+    return (shared.w1.weight.shape[-2] // inter,
+            dict(shared_w1=shared.w1.weight[...], shared_w3=shared.w3.weight[...], shared_w1_scale=_scale(shared.w1),
                  shared_w3_scale=_scale(shared.w3)),
             dict(shared_w=shared.w2.weight[...], shared_w_scale=_scale(shared.w2)))
 
@@ -346,7 +347,7 @@ class Experts(nnx.Module):
         tokens' rows. Assignments of other ranks' experts sort past every group: the kernels leave them zero."""
         tokens, topk = indices.shape
         local_experts = self.w1.weight.shape[-3]
-        chunks = 0 if shared is None else shared.w1.weight.shape[-2] // self.w1.weight.shape[-2]
+        chunks, fused, down = _shared_kernel_weights(shared, self.w1.weight.shape[-2])
         local_ids = indices.reshape(-1) - first
         mine = (local_ids >= 0) & (local_ids < local_experts)
         groups = local_experts + chunks
@@ -357,7 +358,6 @@ class Experts(nnx.Module):
         group_sizes = jnp.bincount(sort_key, length=groups + 1)[:-1].astype(jnp.int32)
         row_weights = jnp.concatenate([jnp.where(mine, weights.reshape(-1), 0.0).astype(jnp.float32),
                                        jnp.ones((chunks * tokens,), jnp.float32)])[order]
-        fused, down = _shared_kernel_weights(shared)
         layer = stack_index if self.w1.weight.ndim == 4 else None
         rows_fp8 = None if x_fp8 is None else tuple(jnp.take(a, token_of, axis=0) for a in x_fp8)
         hidden = grouped_swiglu(jnp.take(x, token_of, axis=0), self.w1.weight[...], self.w3.weight[...],
@@ -379,8 +379,7 @@ class Experts(nnx.Module):
         tokens' rows to a tile."""
         tokens, topk = weights.shape
         stacked = stack_index if self.w1.weight.ndim == 4 else None
-        chunks = 0 if shared is None else shared.w1.weight.shape[-2] // self.w1.weight.shape[-2]
-        fused, down = _shared_kernel_weights(shared)
+        chunks, fused, down = _shared_kernel_weights(shared, self.w1.weight.shape[-2])
         slots = dict(slot_experts=indices, expert_offset=first, stack_index=stacked, **ctx.gemm)
         hidden = grouped_swiglu(x, self.w1.weight[...], self.w3.weight[...], _scale(self.w1), _scale(self.w3), None,
                                 **slots, **fused, x_fp8=x_fp8)
