@@ -197,8 +197,8 @@ def dequant_gemm(a: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.float
         w = weight_dequant_ref(*_one_layer(b, b_s, layer), out_dtype=a.dtype)
         return jnp.einsum("...k,nk->...n", a, w, precision=jax.lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32).astype(out_dtype)
-    c = _fp8_gemm_2d(a.reshape(m, k), None, b, b_s, layer, out_dtype, _addressing(config or default_config(m, n, k), b),
-                     interpret)
+    cfg = _addressing(config or default_config(m, n, k), b)
+    c = _fp8_gemm_2d(a.reshape(m, k), None, b, b_s, layer, out_dtype, cfg, interpret)
     return c.reshape(*a.shape[:-1], n)
 
 
