@@ -188,3 +188,24 @@ def pow2_ceil(s: jax.Array) -> jax.Array:
     bits = lax.bitcast_convert_type(s, jnp.int32)
     bits = (bits + jnp.int32(0x7FFFFF)) & jnp.int32(0x7F800000)
     return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def byte_pairs(w: jax.Array) -> jax.Array:
+    """A 1-byte (..., K) array viewed as uint16 (..., K/2): byte 2i in the low half of word i. Pallas' Triton lowering
+    (jax 0.11.2) indexes a ref of at most 2^32 bytes with 32-bit signed element offsets, so a 1-byte ref of 2^31..2^32
+    elements is addressed out of bounds; as uint16 the same bytes are half as many elements."""
+    return jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 2, 2), jnp.uint16)
+
+
+def even_odd_columns(x: jax.Array) -> jax.Array:
+    """x (M, K) with each 128-column block reordered as its 64 even columns, then its 64 odd ones,
+    to meet the low and high bytes of `byte_pairs` (a copy of x: small next to the weights)."""
+    m, k = x.shape
+    return x.reshape(m, k // BLOCK, BLOCK // 2, 2).swapaxes(2, 3).reshape(m, k)
+
+
+def fp8_pairs(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint16 words -> (low bytes, high bytes) as e4m3 values."""
+    low = jax.lax.bitcast_convert_type((words & jnp.uint16(0xFF)).astype(jnp.uint8), FP8)
+    high = jax.lax.bitcast_convert_type((words >> jnp.uint16(8)).astype(jnp.uint8), FP8)
+    return low, high

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import (BLOCK, FP8, cdiv, check_dtype, check_last_dim, check_out_dtype, fail, hopper,
-                      interpret_in_shard_map, launch_dependents, match_vma, num_sms, result, rows, use_interpret,
-                      vma_union)
+from ._common import (BLOCK, FP8, byte_pairs, cdiv, check_dtype, check_last_dim, check_out_dtype, even_odd_columns,
+                      fail, fp8_pairs, hopper, interpret_in_shard_map, launch_dependents, match_vma, num_sms, result,
+                      rows, use_interpret, vma_union)
 from .gemm_mgpu import MosaicGemmConfig, fp8_gemm_mosaic_2d, mosaic_unsupported
 from .reference import fp8_gemm_ref, weight_dequant_ref
 
@@ -53,6 +53,9 @@ class GemmConfig:
       leaves Triton's max_num_imprecise_acc at 0 for them, which rules out Hopper's wgmma, so they
       run on mma.sync. "f16" converts the tiles to float16 first (exact: e4m3 is a subset of f16)
       and is eligible for wgmma at the 16-bit rate.
+    byte_pairs: read B as uint16 pairs of its fp8 bytes (`byte_pairs`), each K block of A reordered to meet them
+      (its even columns, then its odd ones): a 1-byte weight stack of 2^31 to 2^32 elements is then addressable
+      in place. fp8_gemm and dequant_gemm set it for such stacks.
     """
     bm: int = 128
     bn: int = 128
@@ -60,6 +63,7 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     mma: str = "fp8"
+    byte_pairs: bool = False
 
     def check(self, nkb: int) -> None:
         def pow2(v):
@@ -167,11 +171,12 @@ def fp8_gemm(a: jax.Array, a_s: jax.Array, b: jax.Array, b_s: jax.Array, out_dty
     if path == "mosaic":
         c = _mosaic_2d(a2, a_s2, *_one_layer(b, b_s, layer), out_dtype, mosaic_config, interpret)
     else:
-        c = _fp8_gemm_2d(a2, a_s2, *_addressable(b, b_s, layer), out_dtype, default_config(m, n, k), interpret)
+        c = _fp8_gemm_2d(a2, a_s2, b, b_s, layer, out_dtype, _addressing(default_config(m, n, k), b), interpret)
     return c.reshape(*a.shape[:-1], n)
 
 
-def dequant_gemm(a: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.float32, *, layer=None):
+def dequant_gemm(a: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.float32, *, layer=None,
+                 config: GemmConfig | None = None):
     """``C = A @ (B * b_s)^T`` with B's tiles dequantized to A's dtype as they are loaded: gemm_impl "bf16"'s
     math on an fp8 weight (each tile rounded as ``weight_dequant`` rounds it, float32 accumulation), reading the
     fp8 bytes only. The Triton kernel of fp8_gemm with A unquantized: at decode-sized M, narrow N tiles and
@@ -179,7 +184,7 @@ def dequant_gemm(a: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.float
 
     a: bfloat16, float16 or float32 (..., K), K a multiple of 128; b: float8_e4m3fn (N, K), or a stack
     (L, N, K) with `layer` (int32 scalar, read in place); b_s: float32 (ceil(N / 128), K // 128) (with a
-    leading L for a stack). Returns (..., N) in out_dtype.
+    leading L for a stack); config: the kernel's tiling (default: `default_config`). Returns (..., N) in out_dtype.
     """
     out_dtype = check_out_dtype(_FN_DEQUANT, out_dtype)
     check_dtype(_FN_DEQUANT, "a", a, (jnp.bfloat16, jnp.float16, jnp.float32), "bfloat16, float16 or float32")
@@ -192,8 +197,8 @@ def dequant_gemm(a: jax.Array, b: jax.Array, b_s: jax.Array, out_dtype=jnp.float
         w = weight_dequant_ref(*_one_layer(b, b_s, layer), out_dtype=a.dtype)
         return jnp.einsum("...k,nk->...n", a, w, precision=jax.lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32).astype(out_dtype)
-    c = _fp8_gemm_2d(a.reshape(m, k), None, *_addressable(b, b_s, layer), out_dtype, default_config(m, n, k),
-                     interpret)
+    cfg = _addressing(config or default_config(m, n, k), b)
+    c = _fp8_gemm_2d(a.reshape(m, k), None, b, b_s, layer, out_dtype, cfg, interpret)
     return c.reshape(*a.shape[:-1], n)
 
 
@@ -206,12 +211,10 @@ def _weight_stack(fn: str, b, b_s, layer):
     return (b, b_s, layer) if b.ndim == 3 else (b[None], b_s[None], layer)
 
 
-def _addressable(b, b_s, layer):
-    """The Triton kernel's weight operands: the stack read in place, or its layer sliced out where Triton would
-    address the 1-byte stack with 32-bit signed offsets (2^31 to 2^32 elements)."""
-    if 2**31 <= b.size < 2**32:
-        return *(x[None] for x in _one_layer(b, b_s, layer)), jnp.zeros((1,), jnp.int32)
-    return b, b_s, layer
+def _addressing(cfg: GemmConfig, b) -> GemmConfig:
+    """cfg, reading the weight stack b as byte pairs where Pallas' Triton lowering would address its 1-byte elements
+    with 32-bit signed offsets (2^31 to 2^32 of them), so that the stack is still read in place."""
+    return dataclasses.replace(cfg, byte_pairs=True) if 2**31 <= b.size < 2**32 else cfg
 
 
 def _one_layer(b, b_s, layer):
@@ -272,6 +275,8 @@ def _fp8_gemm_2d(a, a_s, b, b_s, layer, out_dtype, cfg: GemmConfig, interpret: b
     kbp = nkb // split  # K-blocks per program
     scaled = a_s is not None
     vma = vma_union(*(x for x in (a, a_s, b, b_s) if x is not None))  # inside shard_map: the operands' axes
+    if cfg.byte_pairs:
+        a, b = even_odd_columns(a), byte_pairs(b)
     kernel = functools.partial(_kernel, m=m, n=n, bn=bn, kbp=kbp, scaled=scaled,
                                mma_dtype=jnp.float16 if cfg.mma == "f16" else None)
     layer, a, b, b_s = match_vma(vma, layer, a, b, b_s)
@@ -324,25 +329,41 @@ def _kernel(layer_ref, a_ref, *refs, m, n, bn, kbp, mma_dtype, scaled):
     scale_row = (j * bn) // BLOCK  # bn <= 128: one weight scale row for the whole tile
     precision = jax.lax.Precision.HIGHEST if a_ref.dtype == jnp.float32 else None  # no TF32 rounding of A
 
+    def dot(a, b):  # (bm, bn) float32 from the tensor cores; contracting b's dim 1 = A . B^T
+        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
+
+    def operands(t, kb):
+        """The (A, B) tiles whose products make K-block t of this program (kb in the whole K): one pair, or with
+        B in byte pairs (uint16) A's even columns with B's low bytes and its odd ones with the high bytes."""
+        if b_ref.dtype != jnp.uint16:
+            a = plgpu.load(a_ref.at[:, pl.ds(pl.multiple_of(t * BLOCK, BLOCK), BLOCK)], mask=row_mask)
+            return [(a, plgpu.load(b_ref.at[layer, b_rows, pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)],
+                                   mask=col_mask))]
+        half = BLOCK // 2
+        words = plgpu.load(b_ref.at[layer, b_rows, pl.ds(pl.multiple_of(kb * half, half), half)], mask=col_mask)
+        halves = [plgpu.load(a_ref.at[:, pl.ds(pl.multiple_of(t * BLOCK + h, half), half)], mask=row_mask)
+                  for h in (0, half)]
+        return list(zip(halves, fp8_pairs(words)))
+
     def body(t, acc):
-        ks = pl.ds(pl.multiple_of(t * BLOCK, BLOCK), BLOCK)
         kb = split * kbp + t  # the K-block in the whole K
-        a = plgpu.load(a_ref.at[:, ks], mask=row_mask)
-        b = plgpu.load(b_ref.at[layer, b_rows, pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)], mask=col_mask)
+        pairs = operands(t, kb)
         sb = bs_ref[layer, pl.ds(scale_row, 1), pl.ds(kb, 1)]  # (1, 1): one weight scale for the whole tile
         if not scaled:
-            w = (b.astype(jnp.float32) * sb).astype(a.dtype)
-            return acc + jax.lax.dot_general(a, w, (((1,), (1,)), ((), ())), precision=precision,
-                                             preferred_element_type=jnp.float32)
+            return acc + _sum(dot(a, (b.astype(jnp.float32) * sb).astype(a.dtype)) for a, b in pairs)
         sa = plgpu.load(as_ref.at[:, pl.ds(t, 1)], mask=row_mask)  # (bm, 1)
         if mma_dtype is not None:
-            a, b = a.astype(mma_dtype), b.astype(mma_dtype)
-        # (bm, bn) float32 from the tensor cores; contracting b's dim 1 = A . B^T
-        part = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return acc + part * (sa * sb)
+            pairs = [(a.astype(mma_dtype), b.astype(mma_dtype)) for a, b in pairs]
+        return acc + _sum(dot(a, b) for a, b in pairs) * (sa * sb)
 
     acc = jax.lax.fori_loop(0, kbp, body, jnp.zeros((bm, bn), jnp.float32))
     mask = row_mask
     if col_ok is not None:
         mask = col_ok[None, :] if mask is None else mask & col_ok[None, :]
     plgpu.store(o_ref, acc.astype(o_ref.dtype), mask=mask)
+
+
+def _sum(terms):
+    """The sum of one or more arrays, without a zero to start from."""
+    return functools.reduce(jnp.add, terms)

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import (BLOCK, FP8, SHARED_MEMORY_BYTES, cdiv, fail, hopper, interpret_in_shard_map, launch_dependents,
-                      match_vma, result, use_interpret, vma_union)
+from ._common import (BLOCK, FP8, SHARED_MEMORY_BYTES, byte_pairs, cdiv, even_odd_columns, fail, fp8_pairs, hopper,
+                      interpret_in_shard_map, launch_dependents, match_vma, result, use_interpret, vma_union)
 from .grouped_mgpu import MOSAIC_AUTO_FP8, MOSAIC_MIN_ROWS, MosaicTiles, grouped_gemm_mgpu, mosaic_supports
 from .reference import grouped_gemm_ref, grouped_gemm_swiglu_ref  # noqa: F401 (re-exported)
 
@@ -388,25 +388,6 @@ def _twin(x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, shared: _S
                             x_scale=x_scale)
 
 
-def byte_pairs(w: jax.Array) -> jax.Array:
-    """A 1-byte (..., K) array viewed as uint16 (..., K/2): byte 2i in the low half of word i."""
-    return jax.lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 2, 2), jnp.uint16)
-
-
-def even_odd_columns(x: jax.Array) -> jax.Array:
-    """x (M, K) with each 128-column block reordered as its 64 even columns, then its 64 odd ones,
-    to meet the low and high bytes of `byte_pairs` (a copy of x: small next to the weights)."""
-    m, k = x.shape
-    return x.reshape(m, k // BLOCK, BLOCK // 2, 2).swapaxes(2, 3).reshape(m, k)
-
-
-def _fp8_pairs(words: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """uint16 words -> (low bytes, high bytes) as e4m3 values."""
-    low = jax.lax.bitcast_convert_type((words & jnp.uint16(0xFF)).astype(jnp.uint8), FP8)
-    high = jax.lax.bitcast_convert_type((words >> jnp.uint16(8)).astype(jnp.uint8), FP8)
-    return low, high
-
-
 def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tuple[jax.Array, int]:
     """int32 (5, T): per tile its group, first row, the group's end row, 1 if the tile exists, and
     the weight stack's layer.
@@ -625,7 +606,7 @@ def _k_loop(x_ref, x_scale_ref, tiles, scales, rows, row_ok, *, k, block_n, fp8)
         out = []
         for acc, tile, scale_at in zip(accs, tiles, scales):
             words, scale = tile(pl.multiple_of(kb * half, half), half), scale_at(kb)
-            w_even, w_odd = _fp8_pairs(words)
+            w_even, w_odd = fp8_pairs(words)
             if x_scale is not None:
                 out.append(acc + (dot(x_even, w_even) + dot(x_odd, w_odd)) * (x_scale[:, None] * scale))
                 continue

@@ -5,6 +5,8 @@ as `weight_dequant` rounds it (interpret mode on a CPU; on a GPU through `Linear
 
 Block scales are powers of two from 1/16 to 4 times a random factor, so a tile given a neighbouring block's
 scale, or another layer's weight, is off by 2x or more; N = 320 leaves a partial column tile."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,19 +47,23 @@ def test_dequantizing_kernel_matches_float64(stack, layer, dtype):
     assert np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want) < 1e-5
 
 
-@pytest.mark.parametrize("m, stacked, dtype", [(1, False, jnp.float32), (5, True, jnp.bfloat16),
-                                               (40, False, jnp.bfloat16), (70, True, jnp.float32)])
-def test_dequant_gemm_split_over_k_matches_float64(m, stacked, dtype, n=200, k=2048):
+@pytest.mark.parametrize("m, stacked, dtype, pairs", [
+    (1, False, jnp.float32, False), (5, True, jnp.bfloat16, False), (40, False, jnp.bfloat16, False),
+    (70, True, jnp.float32, False), (5, True, jnp.bfloat16, True), (70, True, jnp.float32, True)])
+def test_dequant_gemm_split_over_k_matches_float64(m, stacked, dtype, pairs, n=200, k=2048):
     """K = 2048 (16 K-blocks): 1 and 5 rows split it over 4 programs whose float32 partial sums are added
     (asserted, so that the split path is the one tested), 40 and 70 rows do not; N = 200 leaves a partial
-    column tile; 70 rows span two 64-row tiles. A split's sum started at another K-block, or a tile scaled by another block's scale,
-    is off by O(1)."""
+    column tile; 70 rows span two 64-row tiles; `pairs`: the weight read as uint16 byte pairs (what a stack of
+    2^31..2^32 bytes takes). A split's sum started at another K-block, a tile scaled by another block's scale, or a
+    byte met by the wrong column of x, is off by O(1)."""
     rng = np.random.default_rng(m)
     w = jnp.asarray(rng.uniform(-1.9, 1.9, (3, n, k)), jnp.float8_e4m3fn)
     scale = jnp.asarray((2.0 ** rng.integers(-4, 3, (3, 2, k // 128)) * rng.uniform(0.5, 1.0)) / 32, jnp.float32)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     assert (default_config(m, n, k).split > 1) == (m <= 16)
-    got = dequant_gemm(x, w, scale, layer=jnp.int32(2)) if stacked else dequant_gemm(x, w[2], scale[2])
+    config = dataclasses.replace(default_config(m, n, k), byte_pairs=pairs)
+    got = (dequant_gemm(x, w, scale, layer=jnp.int32(2), config=config) if stacked
+           else dequant_gemm(x, w[2], scale[2], config=config))
     full = np.repeat(np.repeat(np.asarray(scale[2], np.float64), 128, 0), 128, 1)[:n]
     w64 = np.asarray(jnp.asarray(np.asarray(w[2], np.float64) * full, jnp.float32).astype(dtype), np.float64)
     want = np.asarray(x, np.float64) @ w64.T

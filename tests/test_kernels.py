@@ -98,6 +98,8 @@ def test_fp8_gemm_default_config(rng, lead, n, k):
     GemmConfig(bm=16, bn=32, split=3, num_warps=4, num_stages=2),           # split-K, narrow N
     GemmConfig(bm=32, bn=128, split=2, num_warps=4, num_stages=2, mma="f16"),
     GemmConfig(bm=64, bn=128, split=1, num_warps=4, num_stages=2, mma="f16"),
+    GemmConfig(bm=16, bn=32, split=3, num_warps=4, num_stages=2, byte_pairs=True),  # B as uint16 byte pairs
+    GemmConfig(bm=32, bn=128, split=1, num_warps=4, num_stages=2, mma="f16", byte_pairs=True),
 ])
 def test_fp8_gemm_configs(rng, config):
     a, a_s, b, b_s = gemm_operands(rng, (19,), 300, 768)
@@ -113,6 +115,30 @@ def test_fp8_gemm_reads_a_layer_of_a_stack(rng, rows):
     b, b_s = (jnp.stack([layer[i] for layer in layers]) for i in (2, 3))
     c = jax.jit(lambda layer: fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, layer=layer))(jnp.int32(1))
     assert rel_l2(c, numpy_gemm(a, a_s, b[1], b_s[1])) < gemm_tolerance(jnp.float32)
+
+
+@pytest.mark.parametrize("stack, pairs", [((18, 16384, 8192), True),   # 2^31..2^32 elements
+                                          ((2, 1024, 1024), False), ((35, 16384, 8192), False)])
+def test_fp8_gemm_reads_large_stacks_as_byte_pairs(stack, pairs):
+    """A 1-byte stack of 2^31 to 2^32 elements, which Pallas' Triton lowering would address with 32-bit signed
+    offsets, goes to the kernel whole as uint16 byte pairs (no layer copied out); smaller and larger ones as they
+    are. Traced only: nothing of that size is allocated."""
+    k = stack[2]
+
+    def operand_types(fn, *activations):
+        b = jax.ShapeDtypeStruct(stack, FP8)
+        b_s = jax.ShapeDtypeStruct((stack[0], stack[1] // 128, k // 128), jnp.float32)
+        jaxpr = jax.make_jaxpr(fn)(*activations, b, b_s).jaxpr
+        [call] = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+        assert not [e for e in jaxpr.eqns if e.primitive.name in ("dynamic_slice", "gather")]
+        return [(v.aval.dtype, v.aval.shape) for v in call.invars]
+
+    weights = ((jnp.dtype(jnp.uint16), (*stack[:2], stack[2] // 2)) if pairs else (jnp.dtype(FP8), stack))
+    layer = jnp.int32(stack[0] - 1)
+    a, a_s = jax.ShapeDtypeStruct((1, k), FP8), jax.ShapeDtypeStruct((1, k // 128), jnp.float32)
+    assert weights in operand_types(lambda a, a_s, b, b_s: fp8_gemm(a, a_s, b, b_s, layer=layer), a, a_s)
+    x = jax.ShapeDtypeStruct((1, k), jnp.bfloat16)
+    assert weights in operand_types(lambda x, b, b_s: GM.dequant_gemm(x, b, b_s, layer=layer), x)
 
 
 def test_fp8_gemm_twin_matches_numpy(rng):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from kernel_checks import (AQ, GM, activations, check_act_quant, check_fp8_gemm, check_weight_dequant,
+from kernel_checks import (AQ, FP8, GM, activations, check_act_quant, check_fp8_gemm, check_weight_dequant,
                            fp8_weight, gemm_operands, gemm_tolerance, numpy_gemm, rel_l2)
 from pallas_kernels import GemmConfig, act_quant, fp8_gemm
 from script_modules import load_script
@@ -77,6 +77,32 @@ def test_fp8_gemm_reads_a_layer_of_a_stack(rng, m):
     b, b_s = (jnp.stack([layer[i] for layer in layers]) for i in (2, 3))
     c = jax.jit(lambda layer: fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, layer=layer))(jnp.int32(1))
     assert rel_l2(c, numpy_gemm(a, a_s, b[1], b_s[1])) < gemm_tolerance(jnp.float32)
+
+
+@pytest.mark.gpu
+def test_gemms_read_a_stack_past_2_31_bytes():
+    """A weight stack of 2^31..2^32 fp8 bytes (V3's wq_b on a device that holds every layer's attention: 61 x
+    24,576 x 1,536), which fp8_gemm and dequant_gemm read in place as byte pairs: the last layer's last 256 output
+    columns, whose bytes lie past 2^31, against float64 on that slice. Addressed with 32-bit signed offsets they
+    fault or read other bytes."""
+    layers, n, k = 3, 16384, 45056  # 2.21e9 bytes
+    key = jax.random.PRNGKey(7)
+    b = jnp.stack([jax.random.uniform(jax.random.fold_in(key, i), (n, k), jnp.bfloat16, -1.9, 1.9).astype(FP8)
+                   for i in range(layers)])
+    assert 2**31 <= b.size < 2**32
+    b_s = jnp.exp2(jnp.floor(jax.random.uniform(jax.random.fold_in(key, 9), (layers, n // 128, k // 128),
+                                                minval=-8, maxval=-3)))
+    x = jax.random.normal(jax.random.fold_in(key, 10), (1, k), jnp.float32).astype(jnp.bfloat16)
+    a, a_s = act_quant(x)
+    last, cols = jnp.int32(layers - 1), slice(n - 256, n)
+    w, w_s = b[layers - 1, cols], b_s[layers - 1, (n - 256) // 128:]
+    c = np.asarray(fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, layer=last))
+    assert np.isfinite(c).all() and rel_l2(c[:, cols], numpy_gemm(a, a_s, w, w_s)) < gemm_tolerance(jnp.float32)
+    full = np.repeat(np.repeat(np.asarray(w_s, np.float64), 128, 0), 128, 1)
+    w64 = np.asarray(jnp.asarray(np.asarray(w, np.float64) * full, jnp.float32).astype(jnp.bfloat16), np.float64)
+    want = np.asarray(x, np.float64) @ w64.T
+    got = np.asarray(GM.dequant_gemm(x, b, b_s, layer=last), np.float64)[:, cols]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
 
 
 @pytest.mark.gpu
