@@ -26,6 +26,7 @@ from jax._src.pallas.triton import pallas_call_registration as triton_registrati
 import dsv3_jax
 from dsv3_jax.decode.step import make_step
 from dsv3_jax.model.layers import BIG_PROJECTION_BYTES
+from dsv3_jax.model.moe import WIDE_DOWN_TILE_MAX_ROWS
 from pallas_kernels.projection import VECTOR_MAX_ROWS
 from test_auto_paths_gpu import KERNELS, MOSAIC, STEPS, TRITON, small_v3, step_inputs, variant
 
@@ -128,6 +129,22 @@ def test_unrolled_decode_steps_lower_for_an_h200(built):
         # attn_norm, q_norm and ffn_norm a layer, then the final norm; kv_norm in mla_absorb_query's launch
         assert names["rms_norm"] == 3 * args.n_layers + 1, f"{what}: {dict(names)}"
         assert names["mla_absorb_query"] == args.n_layers and not names["latent_norm_rope"], f"{what}: {dict(names)}"
+
+
+def test_a_one_token_steps_down_launch_takes_wide_tiles(built):
+    """The down projection's grouped launch of at most WIDE_DOWN_TILE_MAX_ROWS rows takes 16 x 128 tiles: at one
+    token (8 routed slots and the shared expert's row) dim / 128 column programs; at 8 tokens (72 rows) 16 x 64
+    tiles, dim / 64. The swiglu launch keeps its 64-wide tiles at both."""
+    model = variant(built["fp8"], gemm_impl="fp8")
+    steps = [("decode b=1", 1, 1, 300), ("decode b=8", 8, 1, 16)]
+    dim, inter = model.args.dim, model.args.moe_inter_dim
+    for (what, batch, *_), text in zip(steps, lowered_steps(model, steps), strict=True):
+        grids = {name: [int(g) for line in text.splitlines() if f'name = "{name}"' in line
+                        for g in re.findall(r"grid_y = (\d+) : i32", line)]
+                 for name in ("grouped_gemm", "grouped_gemm_swiglu")}
+        rows = batch * (model.args.n_activated_experts + model.args.n_shared_experts)
+        assert grids["grouped_gemm"] == [dim // (128 if rows <= WIDE_DOWN_TILE_MAX_ROWS else 64)], f"{what}: {grids}"
+        assert grids["grouped_gemm_swiglu"] == [inter // 64], f"{what}: {grids}"
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])

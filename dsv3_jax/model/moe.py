@@ -149,6 +149,11 @@ def _short_tiles(rows: int, one_row_tiles: bool) -> bool:
     return rows <= MOSAIC_MIN_ROWS or one_row_tiles
 
 
+# grouped_matmul launches (the down projection) of at most this many rows take 16 x 128 tiles: at the V3 cut's b=1
+# (9 slot rows x 7,168 columns) 504 programs, one wave, against 1,008 at 16 x 64 (benchmarks/NOTES.md)
+WIDE_DOWN_TILE_MAX_ROWS = 16
+
+
 def _kernel_tiles(rows: int, fp8: bool, one_row_tiles: bool = False) -> dict:
     """block_m, block_n of the grouped kernels: decode-sized batches, and tiles of one row each
     (`slot_experts`), get short row tiles; prefill taller tiles, which re-read each expert less often
@@ -193,6 +198,8 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     """
     if use_kernel:
         x, x_scale, tiles = _kernel_inputs(x, scale is not None, gemm_impl, scale_fmt, slot_experts is not None)
+        if x.shape[0] <= WIDE_DOWN_TILE_MAX_ROWS:
+            tiles = dict(tiles, block_n=128)
         return grouped_gemm(x, weight, group_sizes, scale, layer=stack_index,
                             out_dtype=jnp.float32, row_scale=row_scale, shared_w=shared_w,
                             shared_w_scale=shared_w_scale, x_scale=x_scale, slot_experts=slot_experts,
