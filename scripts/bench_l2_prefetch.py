@@ -108,8 +108,9 @@ def main() -> None:
             for source in ("other", "weight") if mb else ("other",):
                 r = measure(mb, source, policy, operands, o.calls)
                 rows.append(r)
+                kernels = {k: round(v, 2) for k, v in r["kernels_us"].items()}
                 print(f"touch {mb:3d} MB of {source:6s} ({policy or 'no policy':10s}): GEMV "
-                      f"{r['gemv_us']:7.2f} µs; kernels {json.dumps({k: round(v, 2) for k, v in r['kernels_us'].items()})}")
+                      f"{r['gemv_us']:7.2f} µs; kernels {json.dumps(kernels)}")
             if not mb:
                 break
     if o.out:
