@@ -66,18 +66,23 @@ def kernel_us(run, calls: int) -> dict[str, float]:
     return {name: sum(d) / calls for name, d in by_name.items()}
 
 
-def measure(megabytes: int, source: str, eviction_policy: str | None, operands: dict, calls: int) -> dict:
-    """One jit: flush L2, touch `megabytes` of `source` ("weight" or "other"), the GEMV; its kernels' µs."""
+def touch_then_gemv(megabytes: int, source: str, eviction_policy: str | None):
+    """The jitted step `measure` times: flush L2, touch `megabytes` of `source` ("weight" or "other"), the GEMV."""
     rows = (megabytes << 20) // K
 
     def run(flush, other, w, w_s, a, a_s):
         flushed = touch(flush, flush.shape[0], None, name="l2_flush").max()
-        a = jax.lax.optimization_barrier((flushed, a))[1]
-        touched = touch(w if source == "weight" else other, rows, eviction_policy).max() if rows else flushed
+        a, read = jax.lax.optimization_barrier((flushed, a, w if source == "weight" else other))[1:]  # flush first
+        touched = touch(read, rows, eviction_policy).max() if rows else flushed
         a = jax.lax.optimization_barrier((touched, a))[1]
         return fp8_gemm(a, a_s, w, w_s), touched
 
-    call = jax.jit(run)
+    return jax.jit(run)
+
+
+def measure(megabytes: int, source: str, eviction_policy: str | None, operands: dict, calls: int) -> dict:
+    """`touch_then_gemv`'s kernels' µs."""
+    call = touch_then_gemv(megabytes, source, eviction_policy)
     times = kernel_us(lambda: call(**operands), calls)
     gemv = sum(us for name, us in times.items() if not name.startswith("l2_"))  # fp8_gemm and its split-K sum
     return dict(megabytes=megabytes, source=source, eviction_policy=eviction_policy, kernels_us=times,
