@@ -149,25 +149,29 @@ def _short_tiles(rows: int, one_row_tiles: bool) -> bool:
     return rows <= MOSAIC_MIN_ROWS or one_row_tiles
 
 
-# grouped_matmul launches (the down projection) of at most this many rows take 16 x 128 tiles: at the V3 cut's b=1
-# (9 slot rows x 7,168 columns) 504 programs, one wave, against 1,008 at 16 x 64 (benchmarks/NOTES.md)
+# the down projection's launches (grouped_matmul) of at most this many rows take 16 x 128 tiles: at the V3 cut's
+# b=1 (9 slot rows x 7,168 columns) 504 programs, one wave, against 1,008 at 16 x 64 (benchmarks/NOTES.md)
 WIDE_DOWN_TILE_MAX_ROWS = 16
 
 
-def _kernel_tiles(rows: int, fp8: bool, one_row_tiles: bool = False) -> dict:
+def _kernel_tiles(rows: int, fp8: bool, one_row_tiles: bool = False, down: bool = False) -> dict:
     """block_m, block_n of the grouped kernels: decode-sized batches, and tiles of one row each
-    (`slot_experts`), get short row tiles; prefill taller tiles, which re-read each expert less often
+    (`slot_experts`), get short row tiles, 128 wide for the down projection (`down`) up to
+    WIDE_DOWN_TILE_MAX_ROWS rows; prefill taller tiles, which re-read each expert less often
     (block_n <= 128 with fp8 weights). Past the same row count grouped_gemm runs bf16 weights on its
     wgmma kernel (with its own tiles) on sm_90."""
     block_m, block_n = (16, 64) if _short_tiles(rows, one_row_tiles) else (64, 128)
+    if down and rows <= WIDE_DOWN_TILE_MAX_ROWS:
+        block_n = 128
     return dict(block_m=block_m, block_n=min(block_n, FP8_BLOCK) if fp8 else block_n)
 
 
-def _kernel_inputs(x, fp8_weights: bool, gemm_impl: str, scale_fmt, one_row_tiles: bool, x_fp8=None):
-    """x for the grouped kernels and its x_scale (or None), and their tiles. `x_fp8`: x's act_quant, made
-    already (by the norm before), used where the kernels take fp8 activations."""
+def _kernel_inputs(x, fp8_weights: bool, gemm_impl: str, scale_fmt, one_row_tiles: bool, x_fp8=None,
+                   down: bool = False):
+    """x for the grouped kernels and its x_scale (or None), and their tiles (`down`: the down projection's).
+    `x_fp8`: x's act_quant, made already (by the norm before), used where the kernels take fp8 activations."""
     short = _short_tiles(x.shape[0], one_row_tiles)
-    tiles = _kernel_tiles(x.shape[0], fp8_weights, one_row_tiles)
+    tiles = _kernel_tiles(x.shape[0], fp8_weights, one_row_tiles, down)
     if not (fp8_weights and gemm_impl == "fp8"):
         return x, None, tiles
     if short:
@@ -197,9 +201,8 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     experts' down projection; `grouped_gemm`); group_sizes then (E + S,).
     """
     if use_kernel:
-        x, x_scale, tiles = _kernel_inputs(x, scale is not None, gemm_impl, scale_fmt, slot_experts is not None)
-        if x.shape[0] <= WIDE_DOWN_TILE_MAX_ROWS:
-            tiles = dict(tiles, block_n=128)
+        x, x_scale, tiles = _kernel_inputs(x, scale is not None, gemm_impl, scale_fmt, slot_experts is not None,
+                                           down=True)
         return grouped_gemm(x, weight, group_sizes, scale, layer=stack_index,
                             out_dtype=jnp.float32, row_scale=row_scale, shared_w=shared_w,
                             shared_w_scale=shared_w_scale, x_scale=x_scale, slot_experts=slot_experts,
