@@ -131,14 +131,16 @@ def bench_prefill(model, batch: int, length: int, repeats: int) -> dict:
 
 
 def bench_decode(model, batch: int, context: int, steps: int) -> dict:
-    """`steps` decode steps after a prefill of `context` tokens, greedy tokens kept on the device."""
+    """`steps` decode steps after a prefill of `context` tokens, greedy tokens kept on the device.
+    The prefill runs as `Model.forward` does, in steps of at most `--prefill-chunk` tokens a row: a large
+    batch's prompt in one step would need the working set of batch x context tokens at once."""
     rng = np.random.default_rng(1)
     args = model.args
     prompt = rng.integers(0, args.vocab_size, (batch, context)).astype(np.int32)
     window = dsv3_jax.cache_window(context + 2 * steps + 1, args.max_seq_len)
     zeros = jnp.zeros((batch,), jnp.int32)  # on the device, as generate() keeps them: no host argument a step
     greedy = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None])
-    logits, model.cache = model.step(model.state, model.cache, prompt, zeros, zeros + context - 1, kv_len=window)
+    logits = model.forward(prompt)
 
     def decode(n, logits, position):
         for _ in range(n):
