@@ -10,10 +10,13 @@ anything is allocated, and the check `load` and `build` make with them.
     every row, attending to a window of seq_len positions. Attention is flash attention: its keys and
     values per head are expanded from the latent window (one layer at a time), queries and float32
     accumulators are per chunk; no (queries x keys) score buffer, except with prefill_attn "dense".
+    The routed experts' grouped GEMMs return float32 products: the w1 and w3 products of every
+    (token, expert) row, then the down projection's.
 
 `peak_bytes` adds them up as a step lives: weights, cache, the step's hidden states and its new
 cache entries (all layers, stored after the layer scan), plus the largest of one layer's attention,
-one layer's routed experts and the output head (XLA frees each before the next starts).
+one dense layer's MLP, one layer's routed experts (their two halves, apart) and the output head (XLA
+frees each before the next starts).
 
 `check_fits` compares that peak with a device's capacity (`device_capacity`) and refuses, in one
 line, with the largest max_seq_len and max_batch_size that do fit.
@@ -77,7 +80,8 @@ def step_bytes(args: ModelArgs, layout: Layout, options: RunOptions, batch: int,
                seq_len: int) -> dict[str, dict[str, float]]:
     """The working set on one device of a prefill chunk of min(prefill_chunk, seq_len) tokens in every
     row, attending to seq_len positions: {"step": what lives through the step, "attention": one
-    layer's attention, "experts": one layer's routed experts, "head": the output head}."""
+    layer's attention, "dense MLP": one dense layer's MLP, "experts" and "expert outputs": one layer's routed
+    experts up to the w1, w3 products and after them (`_routed_expert_phases`), "head": the output head}."""
     act = np.dtype(options.jnp_dtype).itemsize
     rows = layout.padded_batch(batch) // layout.size("batch")  # this device's rows
     chunk, kv_len = min(options.prefill_chunk, seq_len), seq_len
@@ -95,17 +99,41 @@ def step_bytes(args: ModelArgs, layout: Layout, options: RunOptions, batch: int,
     }
     if options.prefill_attn == "dense":
         attention["attention: scores (float32, dense)"] = tokens * heads * kv_len * 4
-    gathered, _ = layout.reduction("experts", "expert_ffn")
-    moe_rows = tokens * math.prod(layout.mesh_shape[layout.mesh_axes.index(a)] for a in gathered)
     return {
         "step": {"hidden state (x2: residual + branch)": 2 * tokens * args.dim * act,
                  "new cache entries (all layers)": args.n_layers * tokens * entry * act},
         "attention": attention,
-        "experts": {"routed rows + expert hidden (x3)":
-                    moe_rows * args.n_activated_experts * (args.dim + 3 * args.moe_inter_dim) * act}
-        if args.n_moe_layers else {},
+        **_dense_mlp_phase(args, layout, tokens, act),
+        **_routed_expert_phases(args, _gathered_rows(layout, tokens, "experts", "expert_ffn"), act),
         "head": {"logits (float32, full vocab)": rows * args.vocab_size * 4},
     }
+
+
+def _gathered_rows(layout: Layout, tokens: int, *logical: str) -> int:
+    """Rows a layer split over `logical` computes on one device: this device's tokens, all-gathered over the
+    axes the batch is split over too (`Layout.reduction`)."""
+    gathered, _ = layout.reduction(*logical)
+    return tokens * math.prod(layout.mesh_shape[layout.mesh_axes.index(a)] for a in gathered)
+
+
+def _dense_mlp_phase(args: ModelArgs, layout: Layout, tokens: int, act: int) -> dict[str, dict[str, float]]:
+    """One dense layer's MLP: its w1 and w3 products and their SwiGLU, this device's share of the hidden units."""
+    if not args.n_dense_layers:
+        return {}
+    hidden = _gathered_rows(layout, tokens, "ffn") * (args.inter_dim // layout.size("ffn"))
+    return {"dense MLP": {"dense MLP: w1, w3 products and their SwiGLU": 3 * hidden * act}}
+
+
+def _routed_expert_phases(args: ModelArgs, tokens: int, act: int) -> dict[str, dict[str, float]]:
+    """One layer's routed experts over `tokens` tokens, as the grouped GEMMs (Pallas kernel or `ragged_dot`) hold it:
+    their products are float32 (`moe.grouped_matmul`). "experts": the sorted rows and the w1, w3 products;
+    "expert outputs": the SwiGLU rows, the down projection's rows and the float32 sum per token."""
+    if not args.n_moe_layers:
+        return {}
+    rows, inter, dim = tokens * args.n_activated_experts, args.moe_inter_dim, args.dim
+    return {"experts": {"routed rows": rows * dim * act, "w1, w3 products (float32)": rows * 2 * inter * 4},
+            "expert outputs": {"SwiGLU rows": rows * inter * act, "down projection (float32)": rows * dim * 4,
+                               "sum per token (float32)": tokens * dim * 4}}
 
 
 def plan(args: ModelArgs, layout: Layout, options: RunOptions, batch: int, seq_len: int, *,
@@ -119,9 +147,9 @@ def plan(args: ModelArgs, layout: Layout, options: RunOptions, batch: int, seq_l
 def peak_bytes(weights: float, args: ModelArgs, layout: Layout, options: RunOptions, batch: int, seq_len: int,
                mtp: bool = False) -> float:
     """Bytes one device holds at the peak of the largest step, given the weights' bytes: weights,
-    cache, what lives through the step and the largest of attention / experts / head."""
+    cache, what lives through the step and the largest of the other phases of `step_bytes`."""
     phases = step_bytes(args, layout, options, batch, seq_len)
-    widest_phase = max(sum(phases[name].values()) for name in ("attention", "experts", "head"))
+    widest_phase = max(sum(items.values()) for name, items in phases.items() if name != "step")
     return (weights + sum(cache_bytes(args, layout, options, batch, seq_len, mtp).values())
             + sum(phases["step"].values()) + widest_phase)
 

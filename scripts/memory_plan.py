@@ -100,8 +100,10 @@ def main(argv=None) -> None:
                          for n, lay in layouts.items()) + ".", "",
              f"The step planned is a prefill chunk of {chunk} tokens in every row attending to all {opts.seq_len} "
              "positions, with flash attention (no score buffer). The planned peak is the weights, the cache, the "
-             "step's hidden states and new cache entries, and the largest of one layer's attention, one layer's "
-             "routed experts and the output head (XLA frees each before the next). The largest max_seq_len and "
+             "step's hidden states and new cache entries, and the largest of one layer's attention, one dense "
+             "layer's MLP, one layer's routed experts up to their w1 and w3 products, the rest of them (the grouped "
+             "GEMMs' products are float32) and the output head (XLA frees each before the next). The largest "
+             "max_seq_len and "
              f"batch are those whose planned peak fits in {opts.device_gib:.1f} GiB (--device-gib). On a GPU, "
              "`dsv3_jax.load` and `build` check against XLA's share of the device instead "
              "(`memory_stats()[\"bytes_limit\"]`, set by XLA_PYTHON_CLIENT_MEM_FRACTION, 75 % by default).", ""]

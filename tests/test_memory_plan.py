@@ -5,6 +5,7 @@ refuse what does not fit a stated capacity in one line that names what does.
 The counted models hold zeros (`zero_models.zero_model`: `build`'s arguments, shapes, dtypes and
 splits, no random-initialising program to compile per config and mesh): bytes depend on the arrays'
 shapes, dtypes and placement, not on their values."""
+import math
 import os
 import re
 import subprocess
@@ -19,9 +20,11 @@ import dsv3_jax
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.errors import MemoryPlanError
 from dsv3_jax.memory import (DEVICE_BYTES_ENV, cache_bytes, check_fits, device_capacity, fitting, peak_bytes, plan,
-                             weight_bytes)
+                             step_bytes, weight_bytes)
 from dsv3_jax.options import RunOptions
 from dsv3_jax.sharding import make_mesh
+from test_auto_paths_gpu import small_v3
+from test_gpu_lowering import lowered_steps
 from zero_models import zero_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,3 +156,47 @@ def test_chat_refuses_a_cache_too_long_in_one_line():
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert lines[0].startswith("dsv3-chat: error: max_batch_size 1 x max_seq_len 100000 does not fit"), lines[0]
     assert "the largest max_seq_len that fits at max_batch_size 1 is 3000" in lines[0], lines[0]
+
+
+def mosaic_calls(text: str) -> list[tuple[list[tuple[tuple[int, ...], str]], tuple[tuple[int, ...], str]]]:
+    """(operand (shape, dtype)s, result (shape, dtype)) of each Mosaic GPU call of a lowered step, in order."""
+    def tensor(t):
+        *dims, dtype = t.split("x")
+        return tuple(map(int, dims)), dtype
+    calls = []
+    for line in text.splitlines():
+        found = re.search(r"custom_call @mosaic_gpu\S*\(.*: \(([^()]*)\) -> tensor<([^>]*)>\s*$", line)
+        if found:
+            operands = re.findall(r"tensor<([^>]*)>", found.group(1))
+            calls.append(([tensor(t) for t in operands], tensor(found.group(2))))
+    return calls
+
+
+def nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    return math.prod(shape) * {"f32": 4, "bf16": 2}[dtype]
+
+
+def test_plan_holds_the_products_a_prefill_step_lowers_to():
+    """The plan's phases of a prefill chunk against its step lowered for CUDA as on an H200 (the grouped kernels
+    at prefill are Mosaic GPU calls): the routed experts' "experts" phase is the rows the w1 and w3 calls read and
+    their two float32 products; "expert outputs" the SwiGLU rows the down call reads, its float32 product and the
+    float32 sum per token; the dense layer's MLP its two products and their SwiGLU."""
+    batch, seq = 2, 300
+    args = small_v3("bf16").replace(max_batch_size=batch, max_seq_len=512)
+    model = zero_model(args)
+    options = RunOptions(prefill_chunk=512)
+    text = lowered_steps(model, [("prefill", batch, seq, 0)])[0]
+    rows, inter, tokens = batch * seq * args.n_activated_experts, args.moe_inter_dim, batch * seq
+    calls = [call for call in mosaic_calls(text) if call[1][0][0] == rows]  # the grouped GEMMs (not attention's)
+    assert [result for _, result in calls] == [((rows, inter), "f32")] * 2 + [((rows, args.dim), "f32")], calls
+    # the rows each call reads: its one operand of (rows, K) in bf16
+    reads = [next(op for op in operands if op[0][0] == rows and op[1] == "bf16") for operands, _ in calls]
+    phases = step_bytes(args, model.layout, options, batch, seq)
+    assert sum(phases["experts"].values()) == nbytes(*reads[0]) + nbytes(*calls[0][1]) + nbytes(*calls[1][1])
+    assert reads[0] == reads[1] and reads[2] == ((rows, inter), "bf16")
+    assert sum(phases["expert outputs"].values()) == nbytes(*reads[2]) + nbytes(*calls[2][1]) + tokens * args.dim * 4
+    dense = re.findall(rf"stablehlo.dot_general .*-> tensor<{batch}x{seq}x{args.inter_dim}xf32>", text)
+    converted = re.findall(rf"stablehlo.convert .*\(tensor<{batch}x{seq}x{args.inter_dim}xf32>\) -> "
+                           rf"tensor<{batch}x{seq}x{args.inter_dim}xbf16>", text)
+    assert len(dense) == 2 and converted, "the dense MLP's w1 and w3 products, in bf16"
+    assert sum(phases["dense MLP"].values()) == 3 * nbytes((batch, seq, args.inter_dim), "bf16")
