@@ -11,7 +11,8 @@ anything is allocated, and the check `load` and `build` make with them.
     values per head are expanded from the latent window (one layer at a time), queries and float32
     accumulators are per chunk; no (queries x keys) score buffer, except with prefill_attn "dense".
     The routed experts' grouped GEMMs return float32 products: the w1 and w3 products of every
-    (token, expert) row, then the down projection's.
+    (token, expert) row, then the down projection's (with bf16 weights on sm_90 one SwiGLU launch
+    writes the hidden rows without the first two; the plan keeps them, the other paths' bound).
 
 `peak_bytes` adds them up as a step lives: weights, cache, the step's hidden states and its new
 cache entries (all layers, stored after the layer scan), plus the largest of one layer's attention,

@@ -33,7 +33,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from ._common import (BLOCK, FP8, SHARED_MEMORY_BYTES, byte_pairs, cdiv, even_odd_columns, fail, fp8_pairs, hopper,
                       interpret_in_shard_map, launch_dependents, match_vma, result, use_interpret, vma_union)
-from .grouped_mgpu import MOSAIC_AUTO_FP8, MOSAIC_MIN_ROWS, MosaicTiles, grouped_gemm_mgpu, mosaic_supports
+from .grouped_mgpu import (MOSAIC_AUTO_FP8, MOSAIC_MIN_ROWS, SWIGLU_TILES, MosaicTiles, grouped_gemm_mgpu,
+                           grouped_swiglu_mgpu, mosaic_supports)
 from .reference import grouped_gemm_ref, grouped_gemm_swiglu_ref  # noqa: F401 (re-exported)
 
 _FN = "grouped_gemm"
@@ -108,26 +109,31 @@ BACKENDS = ("auto", "triton", "mosaic")
 
 def grouped_gemm_backend(x: jax.Array, w: jax.Array, w_scale: jax.Array | None = None, *, out_dtype=jnp.float32,
                          backend: str = "auto", mosaic_tiles: MosaicTiles | None = None,
-                         row_groups: jax.Array | None = None, x_scale: jax.Array | None = None) -> str:
-    """"mosaic" or "triton": the kernel `grouped_gemm` runs with these arguments (benchmarks record it).
+                         row_groups: jax.Array | None = None, x_scale: jax.Array | None = None,
+                         swiglu: bool = False, shared: bool = False) -> str:
+    """"mosaic" or "triton": the kernel `grouped_gemm` (`swiglu`: `grouped_gemm_swiglu`) runs with these
+    arguments (benchmarks record it).
 
     "auto" takes the wgmma kernel on a GPU of compute capability 9.x when x has more than
     MOSAIC_MIN_ROWS rows (prefill: tall tiles keep the tensor cores busy) and the call is one
-    it supports (see `mosaic_supports`; rows given by `row_groups` are not) with bf16 weights
-    (fp8 ones only if MOSAIC_AUTO_FP8); otherwise, and everywhere off a GPU, Triton.
+    it supports (see `mosaic_supports`; rows given by `row_groups` are not, nor `shared` experts in the
+    launch) with bf16 weights (fp8 ones only if MOSAIC_AUTO_FP8, and never in the SwiGLU kernel);
+    otherwise, and everywhere off a GPU, Triton.
     """
+    fn = _SWIGLU if swiglu else _FN
     if backend not in BACKENDS:
-        fail(_FN, f"backend is {backend!r}, expected one of {BACKENDS}")
-    tiles = MosaicTiles() if mosaic_tiles is None else mosaic_tiles
+        fail(fn, f"backend is {backend!r}, expected one of {BACKENDS}")
+    tiles = (SWIGLU_TILES if swiglu else MosaicTiles()) if mosaic_tiles is None else mosaic_tiles
     reason = ("rows given by row_groups" if row_groups is not None
-              else "fp8 activations (x_scale)" if x_scale is not None else None)
+              else "fp8 activations (x_scale)" if x_scale is not None
+              else "shared experts in the launch" if shared else None)
     if backend == "mosaic":
-        reason = reason or mosaic_supports(x, w, w_scale, out_dtype, tiles)
+        reason = reason or mosaic_supports(x, w, w_scale, out_dtype, tiles, swiglu)
         if reason:
-            fail(_FN, f"backend='mosaic' does not support this call: {reason}")
+            fail(fn, f"backend='mosaic' does not support this call: {reason}")
         return "mosaic"
     if backend == "auto" and reason is None and hopper() and x.ndim == 2 and x.shape[0] > MOSAIC_MIN_ROWS \
-            and (w_scale is None or MOSAIC_AUTO_FP8) and mosaic_supports(x, w, w_scale, out_dtype, tiles) is None:
+            and (w_scale is None or MOSAIC_AUTO_FP8) and mosaic_supports(x, w, w_scale, out_dtype, tiles, swiglu) is None:
         return "mosaic"
     return "triton"
 
@@ -139,7 +145,7 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
                         shared_w1: jax.Array | None = None, shared_w3: jax.Array | None = None,
                         shared_w1_scale: jax.Array | None = None, shared_w3_scale: jax.Array | None = None,
                         x_scale: jax.Array | None = None, slot_experts: jax.Array | None = None,
-                        expert_offset=0) -> jax.Array:
+                        expert_offset=0, backend: str = "auto", mosaic_tiles: MosaicTiles | None = None) -> jax.Array:
     """The gated hidden state of routed experts in one launch: h = silu(x W1_g^T) * (x W3_g^T).
 
     Same rows, groups (`group_sizes` or `row_groups`), weight forms (bf16 or fp8 + 128x128 scales,
@@ -155,6 +161,10 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
 
     slot_experts (T, k), expert_offset: as `grouped_gemm`'s, with x (T, K) one row a token: the output's
     rows are the T k routed slots token-major, then each shared chunk's T rows (the down projection's x).
+
+    backend, mosaic_tiles: as `grouped_gemm`'s (`grouped_gemm_backend` with swiglu=True): prefill-sized steps of
+    bf16 weights without shared experts run `grouped_mgpu.grouped_swiglu_mgpu` on sm_90 (default tiles
+    `SWIGLU_TILES`).
     """
     if (w1_scale is None) != (w3_scale is None) or w1.shape != w3.shape or w1.dtype != w3.dtype:
         fail(_SWIGLU, f"w1 and w3 must have one shape and dtype and both or neither a scale; got {w1.shape} "
@@ -165,9 +175,15 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
             fail(_SWIGLU, "shared_w1 and shared_w3 go together, with one shape")
         shared = _Shared("n", (shared_w1, shared_w3), (shared_w1_scale, shared_w3_scale))
     default_out = jnp.bfloat16 if x_scale is not None else x.dtype
+    out_dtype = default_out if out_dtype is None else out_dtype
     groups = _groups(_SWIGLU, group_sizes, row_groups, slot_experts, expert_offset)
+    tiles = SWIGLU_TILES if mosaic_tiles is None else mosaic_tiles
+    if grouped_gemm_backend(x, w1, w1_scale, out_dtype=out_dtype, backend=backend, mosaic_tiles=tiles,
+                            row_groups=row_groups if slot_experts is None else slot_experts, x_scale=x_scale,
+                            swiglu=True, shared=shared is not None) == "mosaic":
+        return grouped_swiglu_mgpu(x, w1, w3, group_sizes, layer=layer, out_dtype=out_dtype, tiles=tiles)
     return _grouped(_SWIGLU, x, (w1, w3), (w1_scale, w3_scale), groups, layer,
-                    None, True, default_out if out_dtype is None else out_dtype, block_m, block_n, num_warps,
+                    None, True, out_dtype, block_m, block_n, num_warps,
                     num_stages, shared=shared, x_scale=x_scale)
 
 

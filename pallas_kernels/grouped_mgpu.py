@@ -36,6 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ._common import BLOCK, FP8, SHARED_MEMORY_BYTES, cdiv, fail, match_vma, num_sms, result, use_interpret, vma_union
 
 _FN = "grouped_gemm_mgpu"
+_SWIGLU_FN = "grouped_swiglu_mgpu"
 MOSAIC_MIN_ROWS = 1024  # dispatch: steps with more rows than this (prefill) take the wgmma kernel
 MOSAIC_AUTO_FP8 = False  # dispatch: fp8 weights stay on Triton under "auto" (Mosaic is not the faster one for them)
 
@@ -98,10 +99,10 @@ class MosaicTiles:
         """Output columns of one block's tile."""
         return self.block_n * (2 if self.compute_wgs == 2 and self.wg_split == "n" else 1)
 
-    def smem_bytes(self, out_dtype, fp8: bool = False) -> int:
-        """Shared memory the kernel allocates: the pipeline's x and w tiles, the output tile(s)
-        (and with fp8 weights two bf16 tiles of the dequantised weight)."""
-        stage = (self.cta_m * 2 + self.cta_n * (1 if fp8 else 2)) * self.block_k
+    def smem_bytes(self, out_dtype, fp8: bool = False, weights: int = 1) -> int:
+        """Shared memory the kernel allocates: the pipeline's x and w tiles (`weights` of them a step: 2 in
+        the SwiGLU kernel), the output tile(s) (and with fp8 weights two bf16 tiles of the dequantised weight)."""
+        stage = (self.cta_m * 2 + weights * self.cta_n * (1 if fp8 else 2)) * self.block_k
         return (self.max_concurrent_steps * stage + (2 * self.block_n * self.block_k * 2 if fp8 else 0)
                 + self.compute_wgs * self.block_m * self.epi_cols * jnp.dtype(out_dtype).itemsize)
 
@@ -111,8 +112,15 @@ class MosaicTiles:
         return self.epi_n or self.block_n
 
 
-def mosaic_supports(x: jax.Array, w: jax.Array, w_scale, out_dtype, tiles: MosaicTiles = MosaicTiles()) -> str | None:
-    """None if `grouped_gemm_mgpu` computes this call, else the reason it does not (a phrase)."""
+# the SwiGLU kernel's default: two 128 x 64 float32 accumulators (w1's and w3's columns) in one warpgroup
+SWIGLU_TILES = MosaicTiles(block_n=64)
+
+def mosaic_supports(x: jax.Array, w: jax.Array, w_scale, out_dtype, tiles: MosaicTiles = MosaicTiles(),
+                    swiglu: bool = False) -> str | None:
+    """None if `grouped_gemm_mgpu` (`swiglu`: `grouped_swiglu_mgpu`) computes this call, else the reason it does
+    not (a phrase)."""
+    if swiglu and (w_scale is not None or tiles.compute_wgs != 1):
+        return "the SwiGLU kernel takes bf16 weights and one warpgroup (compute_wgs=1)"
     if x.dtype != jnp.bfloat16:
         return f"x {jnp.dtype(x.dtype).name}, not bf16"
     if w_scale is None and w.dtype != jnp.bfloat16:
@@ -130,41 +138,46 @@ def mosaic_supports(x: jax.Array, w: jax.Array, w_scale, out_dtype, tiles: Mosai
     return None
 
 
-def _check_arguments(x, w, group_sizes, w_scale, layer, row_scale, out_dtype, tiles: MosaicTiles) -> None:
-    """`grouped_gemm_mgpu`'s argument checks: one clear error naming the argument at fault."""
+def _check_arguments(x, w, group_sizes, w_scale, layer, row_scale, out_dtype, tiles: MosaicTiles, w3=None) -> None:
+    """`grouped_gemm_mgpu`'s argument checks (with `w3`: `grouped_swiglu_mgpu`'s): one clear error naming the
+    argument at fault."""
+    fn = _FN if w3 is None else _SWIGLU_FN
+    if w3 is not None and (w3.shape != w.shape or w3.dtype != w.dtype):
+        fail(fn, f"w1 and w3 must have one shape and dtype; got {tuple(w.shape)} {w.dtype} and {tuple(w3.shape)} "
+                 f"{w3.dtype}")
     stacked = layer is not None
     if stacked != (w.ndim == 4):
-        fail(_FN, f"w has shape {tuple(w.shape)}: a stack (L, G, N, K) goes with `layer`, (G, N, K) without")
+        fail(fn, f"w has shape {tuple(w.shape)}: a stack (L, G, N, K) goes with `layer`, (G, N, K) without")
     if x.ndim != 2 or w.ndim not in (3, 4) or group_sizes.ndim != 1:
-        fail(_FN, f"expects x (M, K), w (G, N, K), group_sizes (G,); got {x.shape}, {w.shape}, {group_sizes.shape}")
+        fail(fn, f"expects x (M, K), w (G, N, K), group_sizes (G,); got {x.shape}, {w.shape}, {group_sizes.shape}")
     m, k = x.shape
     groups, n, kw = w.shape[-3:]
     if kw != k:
-        fail(_FN, f"w has shape {tuple(w.shape)}, expected (..., G, N, {k}) with K from x")
+        fail(fn, f"w has shape {tuple(w.shape)}, expected (..., G, N, {k}) with K from x")
     if group_sizes.shape[0] != groups:
-        fail(_FN, f"group_sizes has {group_sizes.shape[0]} entries for {groups} groups in w")
+        fail(fn, f"group_sizes has {group_sizes.shape[0]} entries for {groups} groups in w")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        fail(_FN, f"group_sizes has dtype {group_sizes.dtype}, expected an integer type")
-    reason = mosaic_supports(x, w, w_scale, out_dtype, tiles)
+        fail(fn, f"group_sizes has dtype {group_sizes.dtype}, expected an integer type")
+    reason = mosaic_supports(x, w, w_scale, out_dtype, tiles, swiglu=w3 is not None)
     if reason:
-        fail(_FN, f"unsupported: {reason}")
+        fail(fn, f"unsupported: {reason}")
     fp8 = w_scale is not None
     if fp8:
         want = (*w.shape[:-2], cdiv(n, BLOCK), k // BLOCK)
         if tuple(w_scale.shape) != want or w_scale.dtype != jnp.float32:
-            fail(_FN, f"w_scale has shape {tuple(w_scale.shape)} {w_scale.dtype}, expected float32 {want}")
+            fail(fn, f"w_scale has shape {tuple(w_scale.shape)} {w_scale.dtype}, expected float32 {want}")
     if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
-        fail(_FN, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 ({m},)")
+        fail(fn, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 ({m},)")
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     if (bm % 64 or bn % 64 or bk % 64 or tiles.max_concurrent_steps < 2 or tiles.grid_tile_width < 0
             or tiles.compute_wgs not in (1, 2) or tiles.wg_split not in ("m", "n") or tiles.epi_cols % 64
             or bn % tiles.epi_cols):
-        fail(_FN, f"tiles {tiles}: block_m, block_n, block_k must be multiples of 64, max_concurrent_steps >= 2, "
+        fail(fn, f"tiles {tiles}: block_m, block_n, block_k must be multiples of 64, max_concurrent_steps >= 2, "
                   f"grid_tile_width >= 0, compute_wgs 1 or 2, wg_split 'm' or 'n', epi_n 0 or a multiple of 64 "
                   f"dividing block_n")
-    if tiles.smem_bytes(out_dtype, fp8) > SHARED_MEMORY_BYTES:
-        fail(_FN, f"tiles {tiles} need {tiles.smem_bytes(out_dtype, fp8)} bytes of shared memory, "
-                  f"more than {SHARED_MEMORY_BYTES}")
+    smem = tiles.smem_bytes(out_dtype, fp8, weights=1 if w3 is None else 2)
+    if smem > SHARED_MEMORY_BYTES:
+        fail(fn, f"tiles {tiles} need {smem} bytes of shared memory, more than {SHARED_MEMORY_BYTES}")
 
 
 def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scale: jax.Array | None = None, *,
@@ -190,14 +203,39 @@ def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scal
     mode (a CPU simulation of the threads, TMA and wgmma: slow, for tests at small shapes).
     """
     _check_arguments(x, w, group_sizes, w_scale, layer, row_scale, out_dtype, tiles)
-    stacked = layer is not None
+    body = _grouped_gemm_mgpu_kernel if tiles.compute_wgs == 1 else _grouped_gemm_mgpu_ws_kernel
+    body = functools.partial(body, row_scale=row_scale is not None, **(dict(fp8=True) if w_scale is not None else {}))
+    return _launch(body, x, [w], group_sizes, w_scale, layer, row_scale, out_dtype, tiles, interpret)
+
+
+def grouped_swiglu_mgpu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array, *,
+                        layer: jax.Array | int | None = None, out_dtype=jnp.bfloat16,
+                        tiles: MosaicTiles = SWIGLU_TILES, interpret: bool | None = None) -> jax.Array:
+    """The gated hidden rows silu(x W1_g^T) * (x W3_g^T) of x's rows, sorted by group, in one launch.
+
+    `grouped_gemm_mgpu`'s rows, groups, layer stacks and persistent grid, with bf16 w1 and w3 of one shape (G, N, K)
+    (or (L, G, N, K) with `layer`): each K step brings one x tile and both weights' tiles of the same columns, two
+    wgmma accumulators of block_m x block_n float32 each, and the tile's rows leave as silu(a1) * a3, computed in
+    float32 and stored in `out_dtype`: no float32 product of w1 or w3 goes through memory. Rows past the groups'
+    sum come out zero. One warpgroup (compute_wgs=1); `SWIGLU_TILES` keeps the two accumulators at 128 registers
+    a thread.
+    """
+    _check_arguments(x, w1, group_sizes, None, layer, None, out_dtype, tiles, w3=w3)
+    return _launch(_grouped_swiglu_mgpu_kernel, x, [w1, w3], group_sizes, None, layer, None, out_dtype, tiles,
+                   interpret)
+
+
+def _launch(body, x, weights: list, group_sizes, w_scale, layer, row_scale, out_dtype, tiles: MosaicTiles,
+            interpret: bool | None) -> jax.Array:
+    """`body` on a persistent grid (one program per SM) over the (row tile, column tile) pairs of x's groups, its
+    operands the tile schedule, x, `weights` (the first one's (G, N) set the groups and columns), w_scale and the
+    padded row_scale where given."""
     m, k = x.shape
-    groups, n = w.shape[-3:-1]
-    fp8 = w_scale is not None
+    groups, n = weights[0].shape[-3:-1]
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
-    if not stacked:
-        w, w_scale = w[None], None if w_scale is None else w_scale[None]
+    if layer is None:
+        weights, w_scale = [w[None] for w in weights], None if w_scale is None else w_scale[None]
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
 
     # rows past the groups' sum: one more group, whose tiles store zeros
@@ -212,15 +250,13 @@ def grouped_gemm_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, w_scal
         # slice would move the box back inside x instead: then x gets the missing rows for real
         # (a copy of x)
         x = jnp.pad(x, ((0, m_blocks - m), (0, 0)))
-    operands = [schedule, x, w] + ([w_scale] if fp8 else [])
+    operands = [schedule, x, *weights] + ([w_scale] if w_scale is not None else [])
     if row_scale is not None:
         operands.append(jnp.pad(row_scale, (0, m_blocks - m)))
-    vma = vma_union(x, w, group_sizes)  # inside shard_map: operands and result vary alike
+    vma = vma_union(x, weights[0], group_sizes)  # inside shard_map: operands and result vary alike
     operands = match_vma(vma, *operands)
 
-    body = _grouped_gemm_mgpu_kernel if tiles.compute_wgs == 1 else _grouped_gemm_mgpu_ws_kernel
-    kernel = functools.partial(body, groups=groups, n=n, k=k, max_tiles=max_tiles, tiles=tiles,
-                               row_scale=row_scale is not None, **(dict(fp8=True) if fp8 else {}))
+    kernel = functools.partial(body, groups=groups, n=n, k=k, max_tiles=max_tiles, tiles=tiles)
     threads = {} if tiles.compute_wgs == 1 else dict(num_threads=tiles.compute_wgs + 1, thread_name="wg")
     call = plgpu.kernel(
         kernel,
@@ -313,6 +349,44 @@ def _grouped_gemm_mgpu_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k, m
                 acc = acc * _load_rows(rs_gmem, start, bm)[:, None]
             _store_rows(acc, o_gmem, lo - start, lo, hi - lo, j * bn, bm, bn, tiles.epi_cols)
 
+
+def _grouped_swiglu_mgpu_kernel(sched_gmem, x_gmem, w1_gmem, w3_gmem, o_gmem, *, groups, n, k, max_tiles, tiles):
+    """One SM's share of the (row tile, column tile) pairs, as `_grouped_gemm_mgpu_kernel`'s, with two weights:
+    a K step issues x @ w1^T and x @ w3^T into their accumulators, the tile stores silu(a1) * a3."""
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+
+    @plgpu.nd_loop((max_tiles * (n // bn),), collective_axes="sm")
+    def _tile_loop(info: plgpu.NDLoopInfo):
+        t, j = _tile_order(info.index[0], max_tiles, n // bn, tiles.grid_tile_width)
+        group, block, lo, hi, exists, layer = (sched_gmem[i, t] for i in range(6))
+
+        @pl.when(exists > 0)
+        def _():
+            start = block * bm
+
+            def acc_scope(acc1, acc3):
+                def step(_, x_smem, w1_smem, w3_smem):
+                    plgpu.wgmma(acc1, x_smem, w1_smem.transpose((1, 0)))
+                    plgpu.wgmma(acc3, x_smem, w3_smem.transpose((1, 0)))
+                    # the previous step's two wgmmas are done: their slots (delay_release=1) may be refilled
+                    plgpu.wgmma_wait(2)
+
+                @pl.when(group < groups)  # the zero group keeps the zero-initialised accumulators: silu(0) * 0
+                def _():
+                    w_spec = plgpu.BlockSpec((bn, bk), lambda kb: (0, kb), delay_release=1)
+                    plgpu.emit_pipeline(
+                        step,
+                        grid=(k // bk,),
+                        in_specs=[plgpu.BlockSpec((bm, bk), lambda kb: (0, kb), delay_release=1), w_spec, w_spec],
+                        max_concurrent_steps=tiles.max_concurrent_steps,
+                    )(x_gmem.at[pl.ds(start, bm)], w1_gmem.at[layer, group, pl.ds(j * bn, bn)],
+                      w3_gmem.at[layer, group, pl.ds(j * bn, bn)])
+
+                return acc1[...], acc3[...]
+
+            a1, a3 = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)), plgpu.ACC((bm, bn)))
+            hidden = a1 / (1.0 + jnp.exp(-a1)) * a3  # silu(a1) * a3 in float32
+            _store_rows(hidden, o_gmem, lo - start, lo, hi - lo, j * bn, bm, bn, tiles.epi_cols)
 
 def _grouped_gemm_mgpu_ws_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k, max_tiles, tiles, row_scale):
     """The warp-specialised variant: warpgroups 0 and 1 compute, warpgroup 2 issues the TMA loads.

@@ -1,4 +1,5 @@
-"""The wgmma grouped GEMM (`pallas_kernels.grouped_mgpu`, Pallas Mosaic GPU) against float32 oracles.
+"""The wgmma grouped GEMM and its SwiGLU form (`pallas_kernels.grouped_mgpu`, Pallas Mosaic GPU) against float32
+oracles.
 
 On a CPU: the kernel runs in Mosaic GPU interpret mode (a simulation of the threads, TMA copies,
 barriers and wgmma, at small shapes) against `grouped_gemm_ref` (XLA ragged_dot in float32), and
@@ -14,9 +15,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from pallas_kernels.grouped import grouped_gemm, grouped_gemm_backend
-from pallas_kernels.grouped_mgpu import MOSAIC_MIN_ROWS, MosaicTiles, aligned_tile_schedule, grouped_gemm_mgpu
-from pallas_kernels.reference import grouped_gemm_ref
+from pallas_kernels.grouped import grouped_gemm, grouped_gemm_backend, grouped_gemm_swiglu
+from pallas_kernels.grouped_mgpu import (MOSAIC_MIN_ROWS, SWIGLU_TILES, MosaicTiles, aligned_tile_schedule,
+                                         grouped_gemm_mgpu, grouped_swiglu_mgpu)
+from pallas_kernels.reference import grouped_gemm_ref, grouped_gemm_swiglu_ref
 
 SMALL = MosaicTiles(block_m=64, block_n=128, block_k=64, max_concurrent_steps=2)
 # the warp-specialised variants (a memory warpgroup, two compute warpgroups), small
@@ -58,6 +60,12 @@ def _assert_close(got, want, tol):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.sqrt(np.mean(want ** 2)))
 
+
+def _assert_bf16_close(got, want):
+    """A bf16 result against float32 values: each element within 2^-7 of its own size (bf16 keeps 8 bits), plus
+    1e-5 x the RMS for values near zero (their float32 summation order)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-5 * np.sqrt(np.mean(want ** 2)))
 
 @pytest.mark.parametrize("sizes, extra_rows, tiles", [
     ([0, 70, 1, 185], 0, SMALL),  # an empty group, a one-row group, groups across block boundaries
@@ -109,6 +117,53 @@ def test_grouped_gemm_backend_mosaic_runs_the_mgpu_kernel():
     _assert_close(got, _ref(x, w, group_sizes, row_scale=row_scale), 1e-5)
 
 
+SMALL_SWIGLU = MosaicTiles(block_m=64, block_n=64, max_concurrent_steps=2)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_interpret_swiglu_matches_its_twin(out_dtype):
+    """silu(x W1^T) * (x W3^T) of each row's group from a layer of a stack read in place, with an empty group, a
+    one-row group, groups across block boundaries and rows past the groups (zero), against float32 ragged_dot."""
+    x, w1, group_sizes, _ = _inputs([0, 70, 1, 185], 128, 256, 13, layers=2, seed=12)
+    w3 = _inputs([0, 70, 1, 185], 128, 256, 13, layers=2, seed=13)[1]
+    got = _jit(grouped_swiglu_mgpu, out_dtype=out_dtype, tiles=SMALL_SWIGLU)(x, w1, w3, group_sizes,
+                                                                            layer=jnp.int32(1))
+    assert got.dtype == out_dtype and got.shape == (269, 128)
+    want = grouped_gemm_swiglu_ref(x, w1[1], w3[1], group_sizes, out_dtype=jnp.float32)
+    if out_dtype == jnp.float32:
+        _assert_close(got[:256], want[:256], 1e-5)
+    else:
+        _assert_bf16_close(got[:256], want[:256])
+    assert not np.any(np.asarray(got[256:], np.float32)), "rows past the groups must be zero"
+
+
+def test_grouped_gemm_swiglu_backend_mosaic_runs_the_mgpu_kernel():
+    x, w1, group_sizes, _ = _inputs([0, 70, 1, 185], 128, 128, 0, seed=14)
+    w3 = _inputs([0, 70, 1, 185], 128, 128, 0, seed=15)[1]
+    assert grouped_gemm_backend(x, w1, swiglu=True) == "triton"  # off a GPU
+    got = _jit(grouped_gemm_swiglu, backend="mosaic", mosaic_tiles=SMALL_SWIGLU)(x, w1, w3, group_sizes)
+    assert got.dtype == jnp.bfloat16
+    _assert_bf16_close(got, grouped_gemm_swiglu_ref(x, w1, w3, group_sizes, out_dtype=jnp.float32))
+
+
+def test_swiglu_backend_choice_and_errors():
+    x = jnp.zeros((MOSAIC_MIN_ROWS + 1, 256), jnp.bfloat16)
+    w = jnp.zeros((4, 128, 256), jnp.bfloat16)
+    sizes = jnp.ones(4, jnp.int32)
+    w8, scale = w.astype(jnp.float8_e4m3fn), jnp.ones((4, 1, 2))
+    with pytest.raises(ValueError, match="grouped_gemm_swiglu: backend='mosaic' does not support this call: the "
+                                         "SwiGLU kernel takes bf16 weights"):
+        grouped_gemm_swiglu(x, w8, w8, sizes, scale, scale, backend="mosaic")
+    with pytest.raises(ValueError, match="does not support this call: shared experts in the launch"):
+        grouped_gemm_swiglu(x, w, w, jnp.ones(5, jnp.int32), shared_w1=w[0], shared_w3=w[0], backend="mosaic")
+    with pytest.raises(ValueError, match=r"grouped_swiglu_mgpu: w1 and w3 must have one shape and dtype"):
+        grouped_swiglu_mgpu(x, w, w[:, :64], sizes)
+    with pytest.raises(ValueError, match="one warpgroup"):
+        grouped_swiglu_mgpu(x, w, w, sizes, tiles=MosaicTiles(compute_wgs=2, block_n=64))
+    with pytest.raises(ValueError, match="grouped_swiglu_mgpu: tiles .* shared memory"):
+        grouped_swiglu_mgpu(x, w, w, sizes, tiles=MosaicTiles(block_n=128, max_concurrent_steps=6))
+    assert SWIGLU_TILES.smem_bytes(jnp.bfloat16, weights=2) <= 227 * 1024
+
 def _lower_for_cuda(fn, *args):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -153,6 +208,23 @@ def test_lowers_for_cuda_inside_shard_map():
                            jax.ShapeDtypeStruct((8, 512, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
     assert "mosaic_gpu" in text
 
+
+@pytest.mark.parametrize("tiles", [SWIGLU_TILES, MosaicTiles(block_n=64, epi_n=64, max_concurrent_steps=5),
+                                   MosaicTiles(block_m=64, block_n=128)], ids=str)
+def test_swiglu_lowers_for_cuda(tiles):
+    """The SwiGLU kernel through Mosaic GPU's lowering at V2-Lite's w1 / w3 shape, a layer stack, M neither a multiple
+    of 128 nor of 8 (x padded), and inside shard_map over the experts."""
+    x = jax.ShapeDtypeStruct((24_576 + 5, 2048), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2, 64, 1408, 2048), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((64,), jnp.int32)
+    text = _lower_for_cuda(lambda x, a, b, s: grouped_swiglu_mgpu(x, a, b, s, layer=1, tiles=tiles, interpret=False),
+                           x, w, w, sizes)
+    assert "mosaic_gpu" in text
+    mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
+    fn = jax.shard_map(lambda x, a, b, s: grouped_swiglu_mgpu(x, a, b, s, tiles=tiles, interpret=False), mesh=mesh,
+                       in_specs=(P(), P("model"), P("model"), P("model")), out_specs=P())
+    w = jax.ShapeDtypeStruct((8, 512, 2048), jnp.bfloat16)
+    assert "mosaic_gpu" in _lower_for_cuda(fn, x.update(shape=(4096, 2048)), w, w, sizes.update(shape=(8,)))
 
 def test_aligned_tile_schedule_covers_each_row_once():
     rng = np.random.default_rng(3)
@@ -248,6 +320,28 @@ def test_v2_lite_prefill_on_gpu(n, k):
     ws = MosaicTiles(compute_wgs=2, block_n=64)
     _check_rows(grouped_gemm(x, w, group_sizes, backend="mosaic", mosaic_tiles=ws), x, w, sizes)
 
+
+@pytest.mark.gpu
+def test_v2_lite_prefill_swiglu_on_gpu():
+    """V2-Lite prefill 8 x 512 tokens through the SwiGLU kernel (what "auto" picks there with bf16 weights), its
+    w1 / w3 shape from a layer of a stack: sampled rows against silu(a1) * a3 from float32 (HIGHEST) products of
+    their own expert's weights."""
+    sizes = _routed_sizes(24_576, 64, seed=21)
+    x, w1, group_sizes, _ = _inputs(sizes, 1408, 2048, 0, layers=2, seed=22)
+    w3 = _inputs(sizes, 1408, 2048, 0, layers=2, seed=23)[1]
+    assert grouped_gemm_backend(x, w1, swiglu=True) == "mosaic"
+    got = grouped_gemm_swiglu(x, w1, w3, group_sizes, layer=jnp.int32(1))
+    rng = np.random.default_rng(24)
+    rows = np.unique(np.concatenate([np.cumsum(sizes)[:-1], rng.integers(0, 24_576, 192)]))
+    groups = np.searchsorted(np.cumsum(sizes), rows, side="right")
+    product = functools.partial(jnp.einsum, "rk,rnk->rn", precision=jax.lax.Precision.HIGHEST)
+    want = []
+    for i in range(0, rows.size, 32):
+        r, g = rows[i:i + 32], groups[i:i + 32]
+        xr = x[r].astype(jnp.float32)
+        a1, a3 = product(xr, w1[1, g].astype(jnp.float32)), product(xr, w3[1, g].astype(jnp.float32))
+        want.append(np.asarray(jax.nn.silu(a1) * a3))
+    _assert_bf16_close(np.asarray(got, np.float32)[rows], np.concatenate(want))
 
 @pytest.mark.gpu_slow  # V3's whole expert stacks (up to 15 GB)
 def test_v3_expert_shape_on_gpu():

@@ -158,17 +158,20 @@ def test_chat_refuses_a_cache_too_long_in_one_line():
     assert "the largest max_seq_len that fits at max_batch_size 1 is 3000" in lines[0], lines[0]
 
 
-def mosaic_calls(text: str) -> list[tuple[list[tuple[tuple[int, ...], str]], tuple[tuple[int, ...], str]]]:
-    """(operand (shape, dtype)s, result (shape, dtype)) of each Mosaic GPU call of a lowered step, in order."""
+def kernel_calls(text: str) -> list[tuple[str, list[tuple[tuple[int, ...], str]], tuple[tuple[int, ...], str]]]:
+    """(kernel, operand (shape, dtype)s, result (shape, dtype)) of each custom call of a lowered step, in order: a
+    Pallas Triton kernel by its name, a Mosaic GPU kernel as "mosaic_gpu"."""
     def tensor(t):
         *dims, dtype = t.split("x")
         return tuple(map(int, dims)), dtype
     calls = []
     for line in text.splitlines():
-        found = re.search(r"custom_call @mosaic_gpu\S*\(.*: \(([^()]*)\) -> tensor<([^>]*)>\s*$", line)
+        found = re.search(r"custom_call @(\S+?)\(.*: \(([^()]*)\) -> tensor<([^>]*)>\s*$", line)
         if found:
-            operands = re.findall(r"tensor<([^>]*)>", found.group(1))
-            calls.append(([tensor(t) for t in operands], tensor(found.group(2))))
+            name = re.search(r'name = "([a-z_0-9]+)"', line)
+            kernel = "mosaic_gpu" if found.group(1).startswith("mosaic_gpu") else name.group(1) if name else "?"
+            operands = re.findall(r"tensor<([^>]*)>", found.group(2))
+            calls.append((kernel, [tensor(t) for t in operands], tensor(found.group(3))))
     return calls
 
 
@@ -176,27 +179,52 @@ def nbytes(shape: tuple[int, ...], dtype: str) -> int:
     return math.prod(shape) * {"f32": 4, "bf16": 2}[dtype]
 
 
-def test_plan_holds_the_products_a_prefill_step_lowers_to():
-    """The plan's phases of a prefill chunk against its step lowered for CUDA as on an H200 (the grouped kernels
-    at prefill are Mosaic GPU calls): the routed experts' "experts" phase is the rows the w1 and w3 calls read and
-    their two float32 products; "expert outputs" the SwiGLU rows the down call reads, its float32 product and the
-    float32 sum per token; the dense layer's MLP its two products and their SwiGLU."""
-    batch, seq = 2, 300
-    args = small_v3("bf16").replace(max_batch_size=batch, max_seq_len=512)
+def prefill_plan_and_grouped_calls(weights: str, batch: int = 2, seq: int = 300):
+    """The small V3's plan of a batch x seq prefill chunk (phases), its routed rows, and the grouped GEMMs of that
+    step lowered for CUDA as on an H200: [(operand (rows, K) it reads, result)] in order, and the lowered text."""
+    args = small_v3(weights).replace(max_batch_size=batch, max_seq_len=512)
     model = zero_model(args)
-    options = RunOptions(prefill_chunk=512)
     text = lowered_steps(model, [("prefill", batch, seq, 0)])[0]
+    rows = batch * seq * args.n_activated_experts
+    grouped = [(next(op for op in operands if op[0][1:] and rows <= op[0][0] <= rows + 128 and op[1] == "bf16"), result)
+               for kernel, operands, result in kernel_calls(text)
+               if kernel in ("mosaic_gpu", "grouped_gemm", "grouped_gemm_swiglu") and rows <= result[0][0] <= rows + 128]
+    return step_bytes(args, model.layout, RunOptions(prefill_chunk=512), batch, seq), args, grouped, text
+
+
+def test_plan_holds_the_products_a_prefill_step_lowers_to():
+    """The plan's phases of a prefill chunk against its step lowered for CUDA as on an H200, fp8 weights (the grouped
+    GEMMs at prefill are Triton launches, as off sm_90): the routed experts' "experts" phase is the rows the w1 and
+    w3 launches read and their two float32 products; "expert outputs" the SwiGLU rows the down launch reads, its
+    float32 product and the float32 sum per token (within the launches' tile of slack rows); the dense layer's MLP
+    its two products and their SwiGLU."""
+    batch, seq = 2, 300
+    phases, args, grouped, text = prefill_plan_and_grouped_calls("fp8", batch, seq)
     rows, inter, tokens = batch * seq * args.n_activated_experts, args.moe_inter_dim, batch * seq
-    calls = [call for call in mosaic_calls(text) if call[1][0][0] == rows]  # the grouped GEMMs (not attention's)
-    assert [result for _, result in calls] == [((rows, inter), "f32")] * 2 + [((rows, args.dim), "f32")], calls
-    # the rows each call reads: its one operand of (rows, K) in bf16
-    reads = [next(op for op in operands if op[0][0] == rows and op[1] == "bf16") for operands, _ in calls]
-    phases = step_bytes(args, model.layout, options, batch, seq)
-    assert sum(phases["experts"].values()) == nbytes(*reads[0]) + nbytes(*calls[0][1]) + nbytes(*calls[1][1])
-    assert reads[0] == reads[1] and reads[2] == ((rows, inter), "bf16")
-    assert sum(phases["expert outputs"].values()) == nbytes(*reads[2]) + nbytes(*calls[2][1]) + tokens * args.dim * 4
+    assert [(r[0][1], r[1]) for _, r in grouped] == [(inter, "f32")] * 2 + [(args.dim, "f32")], grouped
+    (x1, out1), (x3, out3), (hidden, down) = grouped
+    assert x1 == x3 and hidden[0][1] == inter
+    lowered = nbytes(*x1) + nbytes(*out1) + nbytes(*out3)
+    assert sum(phases["experts"].values()) == pytest.approx(lowered, rel=0.02)
+    lowered = nbytes(*hidden) + nbytes(*down) + tokens * args.dim * 4
+    assert sum(phases["expert outputs"].values()) == pytest.approx(lowered, rel=0.02)
     dense = re.findall(rf"stablehlo.dot_general .*-> tensor<{batch}x{seq}x{args.inter_dim}xf32>", text)
     converted = re.findall(rf"stablehlo.convert .*\(tensor<{batch}x{seq}x{args.inter_dim}xf32>\) -> "
                            rf"tensor<{batch}x{seq}x{args.inter_dim}xbf16>", text)
     assert len(dense) == 2 and converted, "the dense MLP's w1 and w3 products, in bf16"
     assert sum(phases["dense MLP"].values()) == 3 * nbytes((batch, seq, args.inter_dim), "bf16")
+
+
+def test_plan_covers_the_swiglu_launch_of_bf16_weights():
+    """With bf16 weights on sm_90 one wgmma launch computes the SwiGLU rows (no float32 products in memory): the
+    plan's "experts" phase still holds the float32 products (other paths write them), so it covers the rows that
+    launch reads and writes; "expert outputs" equals the down launch's rows, its float32 product and the sum."""
+    batch, seq = 2, 300
+    phases, args, grouped, _ = prefill_plan_and_grouped_calls("bf16", batch, seq)
+    assert [r for _, r in grouped] == [((batch * seq * args.n_activated_experts, args.moe_inter_dim), "bf16"),
+                                       ((batch * seq * args.n_activated_experts, args.dim), "f32")], grouped
+    (x, hidden), (hidden_read, down) = grouped
+    assert hidden_read == hidden
+    assert sum(phases["experts"].values()) > nbytes(*x) + nbytes(*hidden)
+    lowered = nbytes(*hidden) + nbytes(*down) + batch * seq * args.dim * 4
+    assert sum(phases["expert outputs"].values()) == pytest.approx(lowered, rel=0.02)

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import FP8_BLOCK, MOSAIC_MIN_ROWS, act_quant, grouped_gemm, grouped_gemm_swiglu, use_interpret
+from pallas_kernels import (FP8_BLOCK, MOSAIC_MIN_ROWS, act_quant, grouped_gemm, grouped_gemm_backend,
+                            grouped_gemm_swiglu, use_interpret)
 from pallas_kernels.reference import route_ref, weight_dequant_ref
 from pallas_kernels.router import route
 
@@ -342,7 +343,13 @@ class Experts(nnx.Module):
                                   **ctx.gemm, use_kernel=use_kernel,
                                   stack_index=stack_index if use_kernel and stacked else None)
 
-        hidden = (jax.nn.silu(gmm(self.w1, rows)) * gmm(self.w3, rows)).astype(x.dtype)
+        if use_kernel and self.w1.scale is None and grouped_gemm_backend(rows, self.w1.weight, out_dtype=x.dtype,
+                                                                          swiglu=True) == "mosaic":
+            # one wgmma launch for both halves: no float32 product of w1 or w3 in memory
+            hidden = grouped_swiglu(rows, self.w1.weight[...], self.w3.weight[...], None, None,
+                                    slot_sizes.astype(jnp.int32), stack_index=stack_index if stacked else None)
+        else:
+            hidden = (jax.nn.silu(gmm(self.w1, rows)) * gmm(self.w3, rows)).astype(x.dtype)
         out = gmm(self.w2, hidden) * weights.reshape(-1)[order][:, None]
         out = jnp.where(mine[order][:, None], out, 0.0)  # rows of other ranks' experts were not computed
         return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
