@@ -343,11 +343,12 @@ class Experts(nnx.Module):
                                   **ctx.gemm, use_kernel=use_kernel,
                                   stack_index=stack_index if use_kernel and stacked else None)
 
-        if use_kernel and self.w1.scale is None and grouped_gemm_backend(rows, self.w1.weight, out_dtype=x.dtype,
+        w1 = self.w1.weight[...]
+        if use_kernel and self.w1.scale is None and grouped_gemm_backend(rows, w1, out_dtype=x.dtype,
                                                                           swiglu=True) == "mosaic":
             # one wgmma launch for both halves: no float32 product of w1 or w3 in memory
-            hidden = grouped_swiglu(rows, self.w1.weight[...], self.w3.weight[...], None, None,
-                                    slot_sizes.astype(jnp.int32), stack_index=stack_index if stacked else None)
+            hidden = grouped_swiglu(rows, w1, self.w3.weight[...], None, None, slot_sizes.astype(jnp.int32),
+                                    stack_index=stack_index if stacked else None)
         else:
             hidden = (jax.nn.silu(gmm(self.w1, rows)) * gmm(self.w3, rows)).astype(x.dtype)
         out = gmm(self.w2, hidden) * weights.reshape(-1)[order][:, None]
