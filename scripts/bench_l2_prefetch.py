@@ -24,11 +24,11 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import act_quant, fp8_gemm
 from pallas_kernels._common import use_interpret
 import profile_step
+from bench_model import HBM_BYTES_PER_S
 
 N, K = 7168, 16384  # V3's wo (out, in) on one device
 ROWS_PER_PROGRAM, CHUNK = 8, 512  # a touch program reads 8 weight rows (128 KB) in 8 x 512-byte tiles
 FLUSH_BYTES = 128 << 20
-HBM_BYTES_PER_S = 4.3e12
 
 
 def touch(w: jax.Array, rows: int, eviction_policy: str | None, name: str = "l2_touch") -> jax.Array:

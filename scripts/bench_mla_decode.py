@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import mla_decode
-
-HBM_BYTES_PER_S = 4.3e12
+from bench_model import HBM_BYTES_PER_S
 
 
 def time_call(fn, repeats: int = 200) -> float:

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import act_quant, dequant_gemm, fp8_gemm
+from bench_model import HBM_BYTES_PER_S
 
 LAYERS, K = 61, 1536
 STACKS = {"whole (dp-attn)": 24576, "tp=8 shard": 3072}
-HBM_BYTES_PER_S = 4.3e12
 
 
 def stack(n: int):

@@ -9,7 +9,8 @@ from script_modules import load_script
 from test_ptx_registers import ptx_for_sm90, triton_modules
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-load_script("profile_step")  # imported by the script as a sibling module
+load_script("profile_step")  # imported by the script as sibling modules
+load_script("bench_model")
 bench = load_script("bench_l2_prefetch")
 
 
