@@ -198,6 +198,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--context", type=int, default=512, help="tokens in the cache before decoding")
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--generate", action=argparse.BooleanOptionalAction, default=True,
+                        help="time Model.generate beside each decode step (each of its timed calls prefills every "
+                             "row again)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-attns", default="auto", type=option_list("decode_attn"),
                         help=f"decode attention paths to time, a comma list of {','.join(choices('decode_attn'))}")
@@ -223,6 +226,13 @@ def model_args(opts: argparse.Namespace) -> ModelArgs:
     if opts.weights:
         changes["dtype"] = opts.weights
     return args.replace(**changes)
+
+
+def generate_cell(row: dict) -> str:
+    """A decode row's `generate()` column: ms a token and its ratio to the step, or "-" where not timed."""
+    if "generate_ms_per_token" not in row:
+        return "-"
+    return f"{row['generate_ms_per_token']:.3f} ({row['generate_over_step']:.2f}x)"
 
 
 def save(bench: SimpleNamespace, final: bool = False) -> None:
@@ -256,8 +266,7 @@ def save(bench: SimpleNamespace, final: bool = False) -> None:
         else:
             lines.append(f"| decode b={r['batch']} ({r['moe_impl']}, {r['decode_attn']}, {r['layout']}) | {r['tok_per_s']:,.1f} | {r['ms_per_step']:.3f} | "
                          f"{r['bytes_per_step'] / 1e9:.2f} GB | {r['floor_ms']:.3f} ms | {r['achieved_gb_s']:,.0f} | "
-                         f"{r['pct_roofline']:.0f}% | {r['generate_ms_per_token']:.3f} ({r['generate_over_step']:.2f}x) | "
-                         f"{r['compile_s']:.1f} |")
+                         f"{r['pct_roofline']:.0f}% | {generate_cell(r)} | {r['compile_s']:.1f} |")
     (bench.out / f"{bench.stem}.md").write_text("\n".join(lines) + "\n")
     if final:
         print("\n".join(lines))
@@ -286,14 +295,17 @@ def bench_variant(bench: SimpleNamespace, runner, tag: str, **variant) -> None:
                       floor_ms_in_run_copy=in_run_floor_ms,
                       achieved_gb_s=bytes_read / (result["ms_per_step"] / 1e3) / 1e9,
                       pct_roofline=100 * floor_ms / result["ms_per_step"])
-        # printed before generate() is timed, so that a run cut short by a time limit still reports the step
+        # saved and printed before generate() is timed, so that a run cut short by a time limit keeps the step
+        bench.rows.append(result)
+        save(bench)
         say(f"decode b={batch} {tag}: {result['tok_per_s']:,.1f} tok/s, {result['ms_per_step']:.3f} "
             f"ms/step (floor {floor_ms:.3f} ms = {bytes_read / 1e9:.2f} GB at {HBM_BYTES_PER_S / 1e12:.1f} TB/s, "
             f"{result['pct_roofline']:.0f}% of it; {in_run_floor_ms:.3f} ms at the in-run copy rate "
             f"{bench.bandwidth / 1e12:.2f} TB/s; compile {result['compile_s']:.1f} s)", flush=True)
+        if not opts.generate:
+            continue
         result.update(bench_generate(runner, batch, opts.context, opts.steps))
         result["generate_over_step"] = result["generate_ms_per_token"] / result["ms_per_step"]
-        bench.rows.append(result)
         save(bench)
         say(f"generate b={batch} {tag}: {result['generate_tok_per_s']:,.1f} tok/s, "
             f"{result['generate_ms_per_token']:.3f} ms/token ({result['generate_over_step']:.2f}x the step)",
