@@ -130,7 +130,7 @@ def main() -> None:
     prompt = np.random.default_rng(0).integers(0, args.vocab_size, (o.batch, o.context)).astype(np.int32)
     zeros = np.zeros((o.batch,), np.int32)
     window = dsv3_jax.cache_window(o.context + 16 + o.steps, args.max_seq_len)
-    logits, model.cache = model.step(model.state, model.cache, prompt, zeros, zeros + o.context - 1, kv_len=window)
+    logits = model.forward(prompt)  # in steps of the build's prefill_chunk, as generate() prefills
     greedy = jax.jit(lambda l: jnp.argmax(l, -1).astype(jnp.int32)[:, None])
     state = {"logits": logits, "pos": zeros + o.context}
 
