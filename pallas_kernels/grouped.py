@@ -132,8 +132,9 @@ def grouped_gemm_backend(x: jax.Array, w: jax.Array, w_scale: jax.Array | None =
         if reason:
             fail(fn, f"backend='mosaic' does not support this call: {reason}")
         return "mosaic"
-    if backend == "auto" and reason is None and hopper() and x.ndim == 2 and x.shape[0] > MOSAIC_MIN_ROWS \
-            and (w_scale is None or MOSAIC_AUTO_FP8) and mosaic_supports(x, w, w_scale, out_dtype, tiles, swiglu) is None:
+    prefill_sized = hopper() and x.ndim == 2 and x.shape[0] > MOSAIC_MIN_ROWS
+    if backend == "auto" and reason is None and prefill_sized and (w_scale is None or MOSAIC_AUTO_FP8) \
+            and mosaic_supports(x, w, w_scale, out_dtype, tiles, swiglu) is None:
         return "mosaic"
     return "triton"
 
