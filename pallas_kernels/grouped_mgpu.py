@@ -115,6 +115,7 @@ class MosaicTiles:
 # the SwiGLU kernel's default: two 128 x 64 float32 accumulators (w1's and w3's columns) in one warpgroup
 SWIGLU_TILES = MosaicTiles(block_n=64)
 
+
 def mosaic_supports(x: jax.Array, w: jax.Array, w_scale, out_dtype, tiles: MosaicTiles = MosaicTiles(),
                     swiglu: bool = False) -> str | None:
     """None if `grouped_gemm_mgpu` (`swiglu`: `grouped_swiglu_mgpu`) computes this call, else the reason it does
@@ -387,6 +388,7 @@ def _grouped_swiglu_mgpu_kernel(sched_gmem, x_gmem, w1_gmem, w3_gmem, o_gmem, *,
             a1, a3 = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)), plgpu.ACC((bm, bn)))
             hidden = a1 / (1.0 + jnp.exp(-a1)) * a3  # silu(a1) * a3 in float32
             _store_rows(hidden, o_gmem, lo - start, lo, hi - lo, j * bn, bm, bn, tiles.epi_cols)
+
 
 def _grouped_gemm_mgpu_ws_kernel(sched_gmem, x_gmem, w_gmem, *refs, groups, n, k, max_tiles, tiles, row_scale):
     """The warp-specialised variant: warpgroups 0 and 1 compute, warpgroup 2 issues the TMA loads.
