@@ -17,6 +17,7 @@ picks is marked).
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import json
 
@@ -28,6 +29,7 @@ from dsv3_jax.model.cache import cache_window
 from pallas_kernels.mla import default_splits, mla_absorb_query, mla_decode_output, mla_decode_splits
 import profile_step
 
+BLOCK_T = inspect.signature(mla_decode_splits).parameters["block_t"].default  # a decode tiling without one
 QUERY_TILES = [dict(block_c=c, num_warps=w) for c, w in itertools.product((128, 64, 32), (4, 2))]
 DECODE_TILES = [dict(block_t=t, num_warps=w) for t, w in itertools.product((64, 32, 16), (4, 2))]
 OUTPUT_TILES = ([dict(block_v=v, num_warps=w) for v, w in itertools.product((16, 32, 64), (4, 2))]
@@ -45,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="jit calls traced per tiling")
     p.add_argument("--kernels", default="query,decode,output", help="which sweeps: query, decode, output, splits")
     p.add_argument("--splits", default="1,2,4,8,16", help="the split counts of the splits sweep")
+    p.add_argument("--decode-tiles", type=json.loads, default=DECODE_TILES,
+                   help="JSON list of the decode sweep's tilings, e.g. '[{\"block_t\": 32, \"num_stages\": 3}]' "
+                        "(default: the built-in list)")
     p.add_argument("--output-tiles", type=json.loads, default=OUTPUT_TILES,
                    help="JSON list of the output sweep's tilings, e.g. '[{\"block_v\": 64}]' (default: the built-in "
                         "list)")
@@ -92,7 +97,7 @@ def launch_us(name: str, per_layer, layers: int, repeats: int) -> float | str:
 
 def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int, kernels: set[str],
           split_counts: list[int], output_tiles: list[dict] = OUTPUT_TILES, fp8_wkv_b: bool = False,
-          split_blocks: tuple[int, ...] = OUTPUT_SPLIT_BLOCKS):
+          split_blocks: tuple[int, ...] = OUTPUT_SPLIT_BLOCKS, decode_tiles: list[dict] = DECODE_TILES):
     """Yield one row a (kernel, tiling) at this batch, or one a split count."""
     window = cache_window(context + 64, args.max_seq_len)
     x = operands(args, layers, batch, window, fp8_wkv_b)
@@ -100,7 +105,7 @@ def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int, 
     if "query" in kernels:
         yield from _query_rows(args, x, row, layers, repeats)
     if "decode" in kernels:
-        yield from _decode_rows(args, x, row, layers, repeats)
+        yield from _decode_rows(args, x, row, layers, repeats, decode_tiles)
     if "output" in kernels:
         yield from _output_rows(args, x, row, layers, repeats, output_tiles, split_blocks)
     if "splits" in kernels:
@@ -116,13 +121,13 @@ def _query_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int):
         yield dict(row, kernel="mla_absorb_query", tiles=tiles, us=launch_us("mla_absorb_query", run, layers, repeats))
 
 
-def _decode_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int):
+def _decode_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int, decode_tiles: list[dict]):
     window, scale = row["window"], args.qk_head_dim ** -0.5
-    for tiles in DECODE_TILES:
+    for tiles in decode_tiles:
         run = lambda layer, t=tiles: mla_decode_splits(x["q_latent"], x["q_pe"], x["kv"], x["pe"],  # noqa: E731
                                                        layer, x["lengths"], kv_len=window, scale=scale, **t)
         yield dict(row, kernel="mla_decode", tiles=tiles, splits=default_splits(row["batch"], args.n_heads, window,
-                                                                                tiles["block_t"], 16),
+                                                                                tiles.get("block_t", BLOCK_T), 16),
                    us=launch_us("mla_decode", run, layers, repeats))
 
 
@@ -168,7 +173,7 @@ def main() -> None:
     for batch in batches:
         for row in sweep(args, layers, batch, o.context, o.repeats, set(o.kernels.split(",")),
                          [int(s) for s in o.splits.split(",")], o.output_tiles, o.wkv_b == "fp8",
-                         tuple(int(b) for b in o.split_blocks.split(","))):
+                         tuple(int(b) for b in o.split_blocks.split(",")), o.decode_tiles):
             rows.append(row)
             print(row_line(row), flush=True)
     if o.out:
