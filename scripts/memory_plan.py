@@ -103,9 +103,8 @@ def main(argv=None) -> None:
              "step's hidden states and new cache entries, and the largest of one layer's attention, one dense "
              "layer's MLP, one layer's routed experts up to their w1 and w3 products, the rest of them (the grouped "
              "GEMMs' products are float32) and the output head (XLA frees each before the next). The largest "
-             "max_seq_len and "
-             f"batch are those whose planned peak fits in {opts.device_gib:.1f} GiB (--device-gib). On a GPU, "
-             "`dsv3_jax.load` and `build` check against XLA's share of the device instead "
+             f"max_seq_len and batch are those whose planned peak fits in {opts.device_gib:.1f} GiB (--device-gib). "
+             "On a GPU, `dsv3_jax.load` and `build` check against XLA's share of the device instead "
              "(`memory_stats()[\"bytes_limit\"]`, set by XLA_PYTHON_CLIENT_MEM_FRACTION, 75 % by default).", ""]
     for batch in opts.batches:
         lines += table(args, layouts, options, batch, opts)
