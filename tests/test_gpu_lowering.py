@@ -26,7 +26,7 @@ from jax._src.pallas.triton import pallas_call_registration as triton_registrati
 import dsv3_jax
 from dsv3_jax.decode.step import make_step
 from dsv3_jax.model.layers import BIG_PROJECTION_BYTES
-from dsv3_jax.model.moe import WIDE_DOWN_TILE_MAX_ROWS
+from dsv3_jax.model.moe import NARROW_SWIGLU_TILE_MAX_ROWS, SLOTS_MAX, WIDE_DOWN_TILE_MAX_ROWS
 from pallas_kernels.projection import VECTOR_MAX_ROWS
 from test_auto_paths_gpu import KERNELS, MOSAIC, STEPS, TRITON, small_v3, step_inputs, variant
 
@@ -131,10 +131,11 @@ def test_unrolled_decode_steps_lower_for_an_h200(built):
         assert names["mla_absorb_query"] == args.n_layers and not names["latent_norm_rope"], f"{what}: {dict(names)}"
 
 
-def test_a_one_token_steps_down_launch_takes_wide_tiles(built):
+def test_a_one_token_steps_slot_launches_take_their_tiles(built):
     """The down projection's grouped launch of at most WIDE_DOWN_TILE_MAX_ROWS rows takes 16 x 128 tiles: at one
     token (8 routed slots and the shared expert's row) dim / 128 column programs; at 8 tokens (72 rows) 16 x 64
-    tiles, dim / 64. The swiglu launch keeps its 64-wide tiles at both."""
+    tiles, dim / 64. The swiglu launch takes 16 x 32 tiles at one token (NARROW_SWIGLU_TILE_MAX_ROWS; its slots form
+    has a row a token) and 16 x 64 at 8 ("fused": 72 gathered rows)."""
     model = variant(built["fp8"], gemm_impl="fp8")
     steps = [("decode b=1", 1, 1, 300), ("decode b=8", 8, 1, 16)]
     dim, inter = model.args.dim, model.args.moe_inter_dim
@@ -144,7 +145,9 @@ def test_a_one_token_steps_down_launch_takes_wide_tiles(built):
                  for name in ("grouped_gemm", "grouped_gemm_swiglu")}
         rows = batch * (model.args.n_activated_experts + model.args.n_shared_experts)
         assert grids["grouped_gemm"] == [dim // (128 if rows <= WIDE_DOWN_TILE_MAX_ROWS else 64)], f"{what}: {grids}"
-        assert grids["grouped_gemm_swiglu"] == [inter // 64], f"{what}: {grids}"
+        swiglu_rows = batch if batch * model.args.n_activated_experts <= SLOTS_MAX else rows
+        assert grids["grouped_gemm_swiglu"] == [inter // (32 if swiglu_rows <= NARROW_SWIGLU_TILE_MAX_ROWS else 64)], \
+            f"{what}: {grids}"
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])

@@ -61,18 +61,18 @@ def _silu(a):
     return a / (1 + np.exp(-a))
 
 
-@functools.partial(jax.jit, static_argnames="down_block_n")
-def _both(x, x_scale, h, row_scale, ids, offset, w, down_block_n=64):
+@functools.partial(jax.jit, static_argnames=("down_block_n", "swiglu_block_n"))
+def _both(x, x_scale, h, row_scale, ids, offset, w, down_block_n=64, swiglu_block_n=64):
     kw = dict(slot_experts=ids, expert_offset=offset, layer=jnp.int32(LAYER))
     hidden = grouped_gemm_swiglu(x, w["w1"][0], w["w3"][0], None, w["w1"][1], w["w3"][1], shared_w1=w["s1"][0],
                                  shared_w3=w["s3"][0], shared_w1_scale=w["s1"][1], shared_w3_scale=w["s3"][1],
-                                 x_scale=x_scale, out_dtype=jnp.float32, **kw)
+                                 x_scale=x_scale, out_dtype=jnp.float32, block_n=swiglu_block_n, **kw)
     out = grouped_gemm(h, w["w2"][0], None, w["w2"][1], row_scale=row_scale, shared_w=w["s2"][0],
                        shared_w_scale=w["s2"][1], block_n=down_block_n, **kw)
     return hidden, out
 
 
-def check(fp8: bool, fp8_activations: bool = False, down_block_n: int = 64):
+def check(fp8: bool, fp8_activations: bool = False, down_block_n: int = 64, swiglu_block_n: int = 64):
     rng, ids, weights = _case(3 + fp8 + 2 * fp8_activations, fp8)
     x = rng.standard_normal((TOKENS, K)).astype(np.float32)
     x_scale, x64 = None, x.astype(np.float64)
@@ -84,7 +84,8 @@ def check(fp8: bool, fp8_activations: bool = False, down_block_n: int = 64):
     h = rng.standard_normal((rows, K)).astype(np.float32)
     row_scale = rng.uniform(-2, 2, TOKENS * TOPK).astype(np.float32)
     kernel_weights = {name: pair for name, (pair, _) in weights.items()}
-    hidden, out = _both(x, x_scale, h, row_scale, ids, np.int32(OFFSET), kernel_weights, down_block_n=down_block_n)
+    hidden, out = _both(x, x_scale, h, row_scale, ids, np.int32(OFFSET), kernel_weights, down_block_n=down_block_n,
+                        swiglu_block_n=swiglu_block_n)
 
     token_of = np.concatenate([np.repeat(np.arange(TOKENS), TOPK), np.tile(np.arange(TOKENS), CHUNKS)])
     x_rows = x64[token_of]
@@ -117,6 +118,13 @@ def test_slots_down_in_wide_tiles_matches_float64(fp8):
     """The down launch in 16 x 128 tiles (the model's at a token or two: `moe.WIDE_DOWN_TILE_MAX_ROWS`), one column
     program over all N = 128 columns."""
     check(fp8, fp8_activations=fp8, down_block_n=128)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_slots_swiglu_in_narrow_tiles_matches_float64(fp8):
+    """The swiglu launch in 16 x 32 tiles (the model's at a token or two: `moe.NARROW_SWIGLU_TILE_MAX_ROWS`), four
+    column programs over N = 128, each reading a quarter of an fp8 weight's 128-column scale block."""
+    check(fp8, fp8_activations=fp8, down_block_n=128, swiglu_block_n=32)
 
 
 def test_slots_twin_inside_shard_map_matches_the_kernels():
@@ -156,5 +164,6 @@ def test_slots_compiled_on_gpu(fp8):
     assert jax.devices()[0].platform == "gpu"
     check(fp8)
     check(fp8, fp8_activations=fp8, down_block_n=128)
+    check(fp8, fp8_activations=fp8, down_block_n=128, swiglu_block_n=32)
     if fp8:
         check(True, fp8_activations=True)

@@ -153,17 +153,22 @@ def _short_tiles(rows: int, one_row_tiles: bool) -> bool:
 # the down projection's launches (grouped_matmul) of at most this many rows take 16 x 128 tiles: at the V3 cut's
 # b=1 (9 slot rows x 7,168 columns) 504 programs, one wave, against 1,008 at 16 x 64 (benchmarks/NOTES.md)
 WIDE_DOWN_TILE_MAX_ROWS = 16
+# the swiglu launch of at most this many rows (tokens, in the slots form) takes 16 x 32 tiles: at the V3 cut's b=1 (9 slot rows x 2,048
+# columns) 576 programs, 4.4 an SM, against 288 at 16 x 64, which leave 24 SMs a third program (benchmarks/NOTES.md)
+NARROW_SWIGLU_TILE_MAX_ROWS = 16
 
 
 def _kernel_tiles(rows: int, fp8: bool, one_row_tiles: bool = False, down: bool = False) -> dict:
     """block_m, block_n of the grouped kernels: decode-sized batches, and tiles of one row each
     (`slot_experts`), get short row tiles, 128 wide for the down projection (`down`) up to
-    WIDE_DOWN_TILE_MAX_ROWS rows; prefill taller tiles, which re-read each expert less often
-    (block_n <= 128 with fp8 weights). Past the same row count grouped_gemm runs bf16 weights on its
-    wgmma kernel (with its own tiles) on sm_90."""
+    WIDE_DOWN_TILE_MAX_ROWS rows and 32 wide for swiglu up to NARROW_SWIGLU_TILE_MAX_ROWS; prefill taller
+    tiles, which re-read each expert less often (block_n <= 128 with fp8 weights). Past the same row count
+    grouped_gemm runs bf16 weights on its wgmma kernel (with its own tiles) on sm_90."""
     block_m, block_n = (16, 64) if _short_tiles(rows, one_row_tiles) else (64, 128)
     if down and rows <= WIDE_DOWN_TILE_MAX_ROWS:
         block_n = 128
+    elif not down and rows <= NARROW_SWIGLU_TILE_MAX_ROWS:
+        block_n = 32
     return dict(block_m=block_m, block_n=min(block_n, FP8_BLOCK) if fp8 else block_n)
 
 
