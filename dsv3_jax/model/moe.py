@@ -153,8 +153,9 @@ def _short_tiles(rows: int, one_row_tiles: bool) -> bool:
 # the down projection's launches (grouped_matmul) of at most this many rows take 16 x 128 tiles: at the V3 cut's
 # b=1 (9 slot rows x 7,168 columns) 504 programs, one wave, against 1,008 at 16 x 64 (benchmarks/NOTES.md)
 WIDE_DOWN_TILE_MAX_ROWS = 16
-# the swiglu launch of at most this many rows (tokens, in the slots form) takes 16 x 32 tiles: at the V3 cut's b=1 (9 slot rows x 2,048
-# columns) 576 programs, 4.4 an SM, against 288 at 16 x 64, which leave 24 SMs a third program (benchmarks/NOTES.md)
+# the swiglu launch of at most this many rows (tokens, in the slots form) takes 16 x 32 tiles: at the V3 cut's
+# b=1 (9 slot rows x 2,048 columns) 576 programs, 4.4 an SM, against 288 at 16 x 64, which leave 24 SMs a third
+# program (benchmarks/NOTES.md)
 NARROW_SWIGLU_TILE_MAX_ROWS = 16
 
 
