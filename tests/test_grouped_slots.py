@@ -122,7 +122,7 @@ def test_slots_down_in_wide_tiles_matches_float64(fp8):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_slots_swiglu_in_narrow_tiles_matches_float64(fp8):
-    """The swiglu launch in 16 x 32 tiles (the model's at a token or two: `moe.NARROW_SWIGLU_TILE_MAX_ROWS`), four
+    """The swiglu launch in 16 x 32 tiles (the model's at one token: `moe.NARROW_SWIGLU_TILE_MAX_ROWS`), four
     column programs over N = 128, each reading a quarter of an fp8 weight's 128-column scale block."""
     check(fp8, fp8_activations=fp8, down_block_n=128, swiglu_block_n=32)
 

@@ -155,8 +155,8 @@ def _short_tiles(rows: int, one_row_tiles: bool) -> bool:
 WIDE_DOWN_TILE_MAX_ROWS = 16
 # the swiglu launch of at most this many rows (tokens, in the slots form) takes 16 x 32 tiles: at the V3 cut's
 # b=1 (9 slot rows x 2,048 columns) 576 programs, 4.4 an SM, against 288 at 16 x 64, which leave 24 SMs a third
-# program (benchmarks/NOTES.md)
-NARROW_SWIGLU_TILE_MAX_ROWS = 16
+# program; from two tokens on 16 x 64 already gives as many (benchmarks/NOTES.md)
+NARROW_SWIGLU_TILE_MAX_ROWS = 1
 
 
 def _kernel_tiles(rows: int, fp8: bool, one_row_tiles: bool = False, down: bool = False) -> dict:
