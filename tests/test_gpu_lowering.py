@@ -26,7 +26,7 @@ from jax._src.pallas.triton import pallas_call_registration as triton_registrati
 import dsv3_jax
 from dsv3_jax.decode.step import make_step
 from dsv3_jax.model.layers import BIG_PROJECTION_BYTES
-from dsv3_jax.model.moe import NARROW_SWIGLU_TILE_MAX_ROWS, SLOTS_MAX, WIDE_DOWN_TILE_MAX_ROWS
+from dsv3_jax.model.moe import NARROW_SWIGLU_TILE_MAX_ROWS, WIDE_DOWN_TILE_MAX_ROWS, auto_moe_impl
 from pallas_kernels.projection import VECTOR_MAX_ROWS
 from test_auto_paths_gpu import KERNELS, MOSAIC, STEPS, TRITON, small_v3, step_inputs, variant
 
@@ -145,7 +145,8 @@ def test_a_one_token_steps_slot_launches_take_their_tiles(built):
                  for name in ("grouped_gemm", "grouped_gemm_swiglu")}
         rows = batch * (model.args.n_activated_experts + model.args.n_shared_experts)
         assert grids["grouped_gemm"] == [dim // (128 if rows <= WIDE_DOWN_TILE_MAX_ROWS else 64)], f"{what}: {grids}"
-        swiglu_rows = batch if batch * model.args.n_activated_experts <= SLOTS_MAX else rows
+        slots = auto_moe_impl(batch * model.args.n_activated_experts, model.args.n_routed_experts, True) == "slots"
+        swiglu_rows = batch if slots else rows  # the slots form's x has a row a token, "fused" one a slot
         assert grids["grouped_gemm_swiglu"] == [inter // (32 if swiglu_rows <= NARROW_SWIGLU_TILE_MAX_ROWS else 64)], \
             f"{what}: {grids}"
 
