@@ -37,7 +37,7 @@ from ._common import BLOCK, FP8, SHARED_MEMORY_BYTES, cdiv, fail, match_vma, num
 
 _FN = "grouped_gemm_mgpu"
 _SWIGLU_FN = "grouped_swiglu_mgpu"
-MOSAIC_MIN_ROWS = 1024  # dispatch: steps with more rows than this (prefill) take the wgmma kernel
+MOSAIC_MIN_ROWS = 2048  # dispatch: steps with more rows than this (prefill) take the wgmma kernel
 MOSAIC_AUTO_FP8 = False  # dispatch: fp8 weights stay on Triton under "auto" (Mosaic is not the faster one for them)
 
 

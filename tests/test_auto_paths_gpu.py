@@ -40,7 +40,7 @@ TOL = 2e-2  # relative L2 of bf16 logits, kernels against twins (as tests/test_l
 MOSAIC, TRITON = "mosaic_gpu", "__gpu$xla.gpu.triton"  # the custom calls of the two Pallas GPU backends
 
 # (what, batch, tokens per row, start position): each step goes on from the cache the previous left
-STEPS = [("prefill 2x300", 2, 300, 0), ("decode b=2", 2, 1, 300), ("prefill 8x16", 8, 16, 0), ("decode b=8", 8, 1, 16)]
+STEPS = [("prefill 2x300", 2, 300, 0), ("decode b=2", 2, 1, 300), ("prefill 8x32", 8, 32, 0), ("decode b=8", 8, 1, 32)]
 MOE_AUTO = ["kernel", "slots", "fused", "fused"]  # what moe_impl "auto" runs at each step (8 experts a token)
 ROUTER_AUTO = ["xla", "kernel", "xla", "kernel"]  # what router "auto" runs at each step
 # which backends' kernels each step lowers to, per (weights, gemm_impl): [(Mosaic, Triton) per step]
@@ -122,7 +122,7 @@ def test_the_steps_take_the_paths_named():
     w8 = jax.ShapeDtypeStruct(w.shape, jnp.float8_e4m3fn)
     s8 = jax.ShapeDtypeStruct((w.shape[0], w.shape[1] // 128, w.shape[2] // 128), jnp.float32)
     assert grouped_gemm_backend(x, w8, s8) == "triton"
-    rows = [batch * seq for _, batch, seq, _ in STEPS]  # a dense projection's M: 600 (ragged), 2, 128, 8
+    rows = [batch * seq for _, batch, seq, _ in STEPS]  # a dense projection's M: 600 (ragged), 2, 256, 8
     assert [fp8_gemm_path(m, args.q_lora_rank, args.dim) for m in rows] == ["mosaic", "triton", "mosaic", "triton"]
     assert rows[2] == MOSAIC_MIN_M and rows[0] % 128
     assert [seq >= FLASH_MIN_QUERIES for _, _, seq, _ in STEPS] == [True, False, False, False]
@@ -214,7 +214,8 @@ def dequantized(linear) -> np.ndarray:
     return w * np.repeat(np.repeat(scale, 128, 1), 128, 2)[:, :w.shape[1], :w.shape[2]]
 
 
-@pytest.mark.parametrize("tokens", [3, 400])  # decode-sized; 1,600 rows: past MOSAIC_MIN_ROWS
+# decode-sized (16-row tiles; 40 x 4 rows over 8 experts: 32-row tiles); 2,400 rows: past MOSAIC_MIN_ROWS
+@pytest.mark.parametrize("tokens", [3, 40, 600])
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])
 def test_one_ranks_experts_with_zero_groups_and_foreign_assignments(rng, weights, tokens):
     args = ModelArgs(dim=DIM, moe_inter_dim=INTER, n_routed_experts=LOCAL, n_activated_experts=TOPK, dtype=weights)
@@ -226,7 +227,7 @@ def test_one_ranks_experts_with_zero_groups_and_foreign_assignments(rng, weights
     linears = {name: dequantized(getattr(experts, name)) for name in ("w1", "w2", "w3")}
     x, weights_, indices = rank_inputs(rng, tokens)
     expected = float64_experts(linears, x, weights_, indices)
-    if weights == "bf16" and tokens == 400:
+    if weights == "bf16" and tokens == 600:
         assert grouped_gemm_backend(jnp.zeros((tokens * TOPK, DIM), jnp.bfloat16), experts.w1.weight[...]) == "mosaic"
     graphdef, state = nnx.split(experts)
     zeros = jnp.zeros((1, 1), jnp.int32)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv3_jax.model.moe import _kernel_inputs
+from dsv3_jax.model.moe import SHORT_TILE_ROWS_PER_EXPERT, _kernel_inputs
 from pallas_kernels import MOSAIC_MIN_ROWS, act_quant
 from pallas_kernels.grouped import grouped_gemm, grouped_gemm_swiglu
 from pallas_kernels.reference import grouped_gemm_ref
@@ -136,21 +136,26 @@ def test_fp8_activations_compiled_on_gpu():
         test_swiglu_with_fp8_activations_reads_routed_and_shared_experts()
         test_down_projection_with_fp8_activations_and_row_scale()
         test_sorted_groups_with_fp8_activations([2, 0, 19, 5], 16)
-        test_sorted_groups_with_fp8_activations([0, 1300, 1, 0], 64)  # prefill-sized: still the Triton kernel
+        test_sorted_groups_with_fp8_activations([0, 2100, 1, 0], 64)  # prefill-sized: still the Triton kernel
 
 
-@pytest.mark.parametrize("rows, one_row_tiles, on_tensor_cores", [
-    (9, True, True), (MOSAIC_MIN_ROWS, False, True), (MOSAIC_MIN_ROWS + 1, False, False),
-    (MOSAIC_MIN_ROWS + 1, True, True)])
-def test_moe_feeds_fp8_activations_to_decode_sized_kernels(rows, one_row_tiles, on_tensor_cores):
+PER_EXPERT = SHORT_TILE_ROWS_PER_EXPERT
+
+
+@pytest.mark.parametrize("rows, experts, one_row_tiles, on_tensor_cores, block_m", [
+    (9, 64, True, True, 16), (MOSAIC_MIN_ROWS, 256, False, True, 16), (PER_EXPERT * 64, 64, False, True, 16),
+    (PER_EXPERT * 64 + 1, 64, False, True, 32), (MOSAIC_MIN_ROWS, 64, False, True, 32),
+    (MOSAIC_MIN_ROWS + 1, 64, False, False, 64), (MOSAIC_MIN_ROWS + 1, 64, True, True, 16)])
+def test_moe_feeds_fp8_activations_to_decode_sized_kernels(rows, experts, one_row_tiles, on_tensor_cores, block_m):
     """Under gemm_impl "fp8" the MoE hands the grouped kernels act_quant's fp8 pair where they run short row
     tiles (decode steps up to MOSAIC_MIN_ROWS rows, one-row tiles) and, in prefill-sized steps, x rounded
     through the same act_quant (its fp8 values times their scales, in x's dtype); bf16 weights or gemm_impl
-    "bf16" get x untouched."""
+    "bf16" get x untouched. The short tiles are 16 rows tall, 32 where the rows average more than
+    SHORT_TILE_ROWS_PER_EXPERT an expert (one-row tiles excepted); prefill's 64."""
     x = jnp.asarray(np.random.default_rng(35).standard_normal((rows, 128)), jnp.bfloat16)
     xq, xs = act_quant(x)
-    got, got_scale, tiles = _kernel_inputs(x, True, "fp8", None, one_row_tiles)
-    assert tiles["block_m"] == (16 if on_tensor_cores else 64)
+    got, got_scale, tiles = _kernel_inputs(x, experts, True, "fp8", None, one_row_tiles)
+    assert tiles["block_m"] == block_m
     if on_tensor_cores:
         assert got.dtype == jnp.float8_e4m3fn and np.array_equal(np.asarray(got, np.float32), np.asarray(xq, np.float32))
         assert np.array_equal(np.asarray(got_scale), np.asarray(xs))
@@ -159,5 +164,5 @@ def test_moe_feeds_fp8_activations_to_decode_sized_kernels(rows, one_row_tiles, 
         assert got_scale is None and got.dtype == jnp.bfloat16
         assert np.array_equal(np.asarray(got, np.float32), np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32))
     for fp8_weights, gemm_impl in ((False, "fp8"), (True, "bf16")):
-        same, none, _ = _kernel_inputs(x, fp8_weights, gemm_impl, None, one_row_tiles)
+        same, none, _ = _kernel_inputs(x, experts, fp8_weights, gemm_impl, None, one_row_tiles)
         assert same is x and none is None

@@ -27,7 +27,7 @@ CASES = [  # (rows per group, N, K, block_m, block_n)
     ([0, 20, 17, 0], 128, 128, 16, 32),  # groups longer than a tile
     ([0, 0, 5], 64, 256, 16, 64),  # trailing group only
     ([3, 4], 200, 384, 32, 128),
-    ([600, 0, 437], 64, 128, 16, 64),  # past MOSAIC_MIN_ROWS rows: the refs with a tile of slack past the last row
+    ([1200, 0, 900], 64, 128, 64, 64),  # past MOSAIC_MIN_ROWS rows: the refs with a tile of slack past the last row
 ]
 
 

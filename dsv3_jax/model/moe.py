@@ -157,15 +157,21 @@ WIDE_DOWN_TILE_MAX_ROWS = 16
 # b=1 (9 slot rows x 2,048 columns) 576 programs, 4.4 an SM, against 288 at 16 x 64, which leave 24 SMs a third
 # program; from two tokens on 16 x 64 already gives as many (benchmarks/NOTES.md)
 NARROW_SWIGLU_TILE_MAX_ROWS = 1
+# decode-sized launches whose rows average more than this many an expert take 32-row tiles: most experts' rows then
+# span two 16-row tiles, each of which reads the expert's weights (V2-Lite b=256: 24 rows an expert)
+SHORT_TILE_ROWS_PER_EXPERT = 16
 
 
-def _kernel_tiles(rows: int, fp8: bool, one_row_tiles: bool = False, down: bool = False) -> dict:
-    """block_m, block_n of the grouped kernels: decode-sized batches, and tiles of one row each
-    (`slot_experts`), get short row tiles, 128 wide for the down projection (`down`) up to
-    WIDE_DOWN_TILE_MAX_ROWS rows and 32 wide for swiglu up to NARROW_SWIGLU_TILE_MAX_ROWS; prefill taller
-    tiles, which re-read each expert less often (block_n <= 128 with fp8 weights). Past the same row count
-    grouped_gemm runs bf16 weights on its wgmma kernel (with its own tiles) on sm_90."""
+def _kernel_tiles(rows: int, experts: int, fp8: bool, one_row_tiles: bool = False, down: bool = False) -> dict:
+    """block_m, block_n of the grouped kernels over `experts` experts: decode-sized batches, and tiles of
+    one row each (`slot_experts`), get short row tiles (32 rows past SHORT_TILE_ROWS_PER_EXPERT rows an
+    expert), 128 wide for the down projection (`down`) up to WIDE_DOWN_TILE_MAX_ROWS rows and 32 wide for
+    swiglu up to NARROW_SWIGLU_TILE_MAX_ROWS; prefill taller tiles, which re-read each expert less often
+    (block_n <= 128 with fp8 weights). Past the same row count grouped_gemm runs bf16 weights on its wgmma
+    kernel (with its own tiles) on sm_90."""
     block_m, block_n = (16, 64) if _short_tiles(rows, one_row_tiles) else (64, 128)
+    if block_m == 16 and not one_row_tiles and rows > SHORT_TILE_ROWS_PER_EXPERT * experts:
+        block_m = 32
     if down and rows <= WIDE_DOWN_TILE_MAX_ROWS:
         block_n = 128
     elif not down and rows <= NARROW_SWIGLU_TILE_MAX_ROWS:
@@ -173,12 +179,13 @@ def _kernel_tiles(rows: int, fp8: bool, one_row_tiles: bool = False, down: bool 
     return dict(block_m=block_m, block_n=min(block_n, FP8_BLOCK) if fp8 else block_n)
 
 
-def _kernel_inputs(x, fp8_weights: bool, gemm_impl: str, scale_fmt, one_row_tiles: bool, x_fp8=None,
+def _kernel_inputs(x, experts: int, fp8_weights: bool, gemm_impl: str, scale_fmt, one_row_tiles: bool, x_fp8=None,
                    down: bool = False):
-    """x for the grouped kernels and its x_scale (or None), and their tiles (`down`: the down projection's).
-    `x_fp8`: x's act_quant, made already (by the norm before), used where the kernels take fp8 activations."""
+    """x for the grouped kernels and its x_scale (or None), and their tiles over `experts` experts (`down`: the
+    down projection's). `x_fp8`: x's act_quant, made already (by the norm before), used where the kernels take
+    fp8 activations."""
     short = _short_tiles(x.shape[0], one_row_tiles)
-    tiles = _kernel_tiles(x.shape[0], fp8_weights, one_row_tiles, down)
+    tiles = _kernel_tiles(x.shape[0], experts, fp8_weights, one_row_tiles, down)
     if not (fp8_weights and gemm_impl == "fp8"):
         return x, None, tiles
     if short:
@@ -208,8 +215,8 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
     experts' down projection; `grouped_gemm`); group_sizes then (E + S,).
     """
     if use_kernel:
-        x, x_scale, tiles = _kernel_inputs(x, scale is not None, gemm_impl, scale_fmt, slot_experts is not None,
-                                           down=True)
+        x, x_scale, tiles = _kernel_inputs(x, weight.shape[-3], scale is not None, gemm_impl, scale_fmt,
+                                           slot_experts is not None, down=True)
         return grouped_gemm(x, weight, group_sizes, scale, layer=stack_index,
                             out_dtype=jnp.float32, row_scale=row_scale, shared_w=shared_w,
                             shared_w_scale=shared_w_scale, x_scale=x_scale, slot_experts=slot_experts,
@@ -240,7 +247,8 @@ def grouped_swiglu(x: jnp.ndarray, w1: jnp.ndarray, w3: jnp.ndarray, scale1: jnp
     `shared`: the shared experts' weights as more experts (`grouped_gemm_swiglu`'s shared_w1, ...); `x_fp8`:
     x's act_quant made already (`_kernel_inputs`)."""
     out_dtype = x.dtype
-    x, x_scale, tiles = _kernel_inputs(x, scale1 is not None, gemm_impl, scale_fmt, slot_experts is not None, x_fp8)
+    x, x_scale, tiles = _kernel_inputs(x, w1.shape[-3], scale1 is not None, gemm_impl, scale_fmt,
+                                       slot_experts is not None, x_fp8)
     return grouped_gemm_swiglu(x, w1, w3, group_sizes, scale1, scale3, layer=stack_index,
                                out_dtype=out_dtype, x_scale=x_scale, slot_experts=slot_experts,
                                expert_offset=expert_offset, **shared, **tiles)
