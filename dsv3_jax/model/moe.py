@@ -158,7 +158,7 @@ WIDE_DOWN_TILE_MAX_ROWS = 16
 # program; from two tokens on 16 x 64 already gives as many (benchmarks/NOTES.md)
 NARROW_SWIGLU_TILE_MAX_ROWS = 1
 # decode-sized launches whose rows average more than this many an expert take 32-row tiles: most experts' rows then
-# span two 16-row tiles, each of which reads the expert's weights (V2-Lite b=256: 24 rows an expert)
+# span two 16-row tiles, each of which reads the expert's weights (V2-Lite b=256: 24 an expert; benchmarks/NOTES.md)
 SHORT_TILE_ROWS_PER_EXPERT = 16
 
 
