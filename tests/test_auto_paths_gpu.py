@@ -27,7 +27,8 @@ from jax.sharding import PartitionSpec as P
 import dsv3_jax
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.model.attention import FLASH_MIN_QUERIES
-from dsv3_jax.model.moe import FUSED_MAX_ROWS, ROUTER_KERNEL_MAX_TOKENS, SLOTS_MAX, Experts, auto_moe_impl, router_impl
+from dsv3_jax.model.moe import (FUSED_MAX_ROWS, ROUTER_KERNEL_MAX_TOKENS, SLOTS_MAX, Experts, _kernel_tiles, auto_moe_impl,
+                                 router_impl)
 from dsv3_jax.options import RunOptions, StepContext
 from dsv3_jax.sharding import make_mesh
 from kernel_checks import kernel_twins
@@ -227,6 +228,8 @@ def test_one_ranks_experts_with_zero_groups_and_foreign_assignments(rng, weights
     linears = {name: dequantized(getattr(experts, name)) for name in ("w1", "w2", "w3")}
     x, weights_, indices = rank_inputs(rng, tokens)
     expected = float64_experts(linears, x, weights_, indices)
+    if tokens == 40:  # 160 rows over 8 experts, 20 an expert: the "fused" and "kernel" launches' 32-row tiles
+        assert _kernel_tiles(tokens * TOPK, LOCAL, weights == "fp8")["block_m"] == 32
     if weights == "bf16" and tokens == 600:
         assert grouped_gemm_backend(jnp.zeros((tokens * TOPK, DIM), jnp.bfloat16), experts.w1.weight[...]) == "mosaic"
     graphdef, state = nnx.split(experts)
