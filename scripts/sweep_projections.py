@@ -32,8 +32,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--weight-mb", type=float, default=400, help="bytes of each stack (sets its layers), in MB")
     p.add_argument("--projections", default=None, help="comma-separated names to run (default: all of them)")
     p.add_argument("--repeats", type=int, default=5, help="jit calls traced per case")
+    p.add_argument("--tilings", type=tilings, default=TILINGS,
+                   help="the tilings to time beside the default one: a JSON list of [block_n, block_k, num_warps, "
+                        "num_stages]")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
+
+
+def tilings(text: str) -> list[Tiles]:
+    """--tilings' JSON list of [block_n, block_k, num_warps, num_stages] as Tiles."""
+    try:
+        return [Tiles(*map(int, t)) for t in json.loads(text)]
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of [block_n, block_k, num_warps, num_stages] "
+                                         f"lists, got {text!r} ({e})") from None
 
 
 def projections(args: ModelArgs) -> dict[str, tuple[list[tuple[int, int]], bool]]:
@@ -55,7 +67,8 @@ def per_layer_us(run, operands, layers: int, repeats: int) -> float:
     return sum(e["dur"] for e in events if not e["name"].startswith("Memcpy")) / (layers * repeats)
 
 
-def sweep(args: ModelArgs, batch: int, weight_mb: float, repeats: int, names: list[str] | None):
+def sweep(args: ModelArgs, batch: int, weight_mb: float, repeats: int, names: list[str] | None,
+          tilings: list[Tiles]):
     """Yield one row a (projection, implementation)."""
     keys = iter(jax.random.split(jax.random.key(0), 64))
     for name, (shapes, normed) in projections(args).items():
@@ -82,7 +95,7 @@ def sweep(args: ModelArgs, batch: int, weight_mb: float, repeats: int, names: li
             return [jnp.dot(rows, w[layer].T, preferred_element_type=jnp.float32).astype(x.dtype) for w in ws]
 
         yield dict(row, impl="xla", us=per_layer_us(xla, operands, layers, repeats))
-        for tiles in [tiles_for(batch)] + [t for t in TILINGS if t != tiles_for(batch)]:
+        for tiles in [tiles_for(batch)] + [t for t in tilings if t != tiles_for(batch)]:
             def run(ops, layer, t=tiles):
                 x, ws, norm = ops
                 return norm_project(x, ws, norm=norm, layer=layer, tiles=t)
@@ -102,7 +115,7 @@ def main() -> None:
         raise SystemExit(f"unknown projection {unknown[0]!r}; the projections are {', '.join(projections(args))}")
     rows = []
     for batch in (int(b) for b in o.batches.split(",")):
-        for row in sweep(args, batch, o.weight_mb, o.repeats, names):
+        for row in sweep(args, batch, o.weight_mb, o.repeats, names, o.tilings):
             rows.append(row)
             tiles = " ".join(f"{k}={v}" for k, v in row.get("tiles", {}).items())
             us = f"{row['us']:7.2f} us" if isinstance(row["us"], float) else row["us"]
