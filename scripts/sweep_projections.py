@@ -32,14 +32,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--weight-mb", type=float, default=400, help="bytes of each stack (sets its layers), in MB")
     p.add_argument("--projections", default=None, help="comma-separated names to run (default: all of them)")
     p.add_argument("--repeats", type=int, default=5, help="jit calls traced per case")
-    p.add_argument("--tilings", type=tilings, default=TILINGS,
+    p.add_argument("--tilings", type=tiling_list, default=TILINGS,
                    help="the tilings to time beside the default one: a JSON list of [block_n, block_k, num_warps, "
                         "num_stages]")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
 
 
-def tilings(text: str) -> list[Tiles]:
+def tiling_list(text: str) -> list[Tiles]:
     """--tilings' JSON list of [block_n, block_k, num_warps, num_stages] as Tiles."""
     try:
         return [Tiles(*map(int, t)) for t in json.loads(text)]

@@ -169,8 +169,9 @@ def _kernel_tiles(rows: int, experts: int, fp8: bool, one_row_tiles: bool = Fals
     swiglu up to NARROW_SWIGLU_TILE_MAX_ROWS; prefill taller tiles, which re-read each expert less often
     (block_n <= 128 with fp8 weights). Past the same row count grouped_gemm runs bf16 weights on its wgmma
     kernel (with its own tiles) on sm_90."""
-    block_m, block_n = (16, 64) if _short_tiles(rows, one_row_tiles) else (64, 128)
-    if block_m == 16 and not one_row_tiles and rows > SHORT_TILE_ROWS_PER_EXPERT * experts:
+    short = _short_tiles(rows, one_row_tiles)
+    block_m, block_n = (16, 64) if short else (64, 128)
+    if short and not one_row_tiles and rows > SHORT_TILE_ROWS_PER_EXPERT * experts:
         block_m = 32
     if down and rows <= WIDE_DOWN_TILE_MAX_ROWS:
         block_n = 128
