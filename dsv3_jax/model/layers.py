@@ -170,8 +170,10 @@ class RMSNorm(nnx.Module):
 
 
 # steps of at most this many rows (decode, speculative verification) run an RMSNorm and the projections that read it
-# as one Pallas launch (`pallas_kernels.projection`), where XLA runs the norm and each projection apart
-PROJECTION_KERNEL_MAX_ROWS = 16
+# as one Pallas launch (`pallas_kernels.projection`), where XLA runs the norm and each projection apart; inside the
+# layer scan XLA's GEMMs also copy their weights out of the stacks, which the launch reads in place
+# (benchmarks/NOTES.md, "thresholds")
+PROJECTION_KERNEL_MAX_ROWS = 32
 
 
 def projection_kernel_applies(rows: int, fp8_weights: bool) -> bool:
