@@ -25,7 +25,7 @@ from jax._src.pallas.triton import pallas_call_registration as triton_registrati
 
 import dsv3_jax
 from dsv3_jax.decode.step import make_step
-from dsv3_jax.model.layers import BIG_PROJECTION_BYTES
+from dsv3_jax.model.layers import BIG_PROJECTION_BYTES, PROJECTION_KERNEL_MAX_ROWS
 from dsv3_jax.model.moe import NARROW_SWIGLU_TILE_MAX_ROWS, WIDE_DOWN_TILE_MAX_ROWS, auto_moe_impl
 from pallas_kernels.projection import VECTOR_MAX_ROWS
 from test_auto_paths_gpu import KERNELS, MOSAIC, STEPS, TRITON, small_v3, step_inputs, variant
@@ -129,6 +129,18 @@ def test_unrolled_decode_steps_lower_for_an_h200(built):
         # attn_norm, q_norm and ffn_norm a layer, then the final norm; kv_norm in mla_absorb_query's launch
         assert names["rms_norm"] == 3 * args.n_layers + 1, f"{what}: {dict(names)}"
         assert names["mla_absorb_query"] == args.n_layers and not names["latent_norm_rope"], f"{what}: {dict(names)}"
+
+
+def test_projections_take_one_launch_up_to_their_row_bound(built):
+    """Steps of up to PROJECTION_KERNEL_MAX_ROWS rows (here 8 rows of 4 tokens, as speculative verification steps)
+    run attention's projections (three launches a layer) and the dense MLP's (two) in norm_project's launches; a
+    step of 8 more rows runs them all on XLA."""
+    model = variant(built["bf16"], gemm_impl="bf16")
+    args, batch = model.args, model.args.max_batch_size
+    tokens = PROJECTION_KERNEL_MAX_ROWS // batch
+    steps = [(f"{batch} x {n} tokens", batch, n, 16) for n in (tokens, tokens + 1)]
+    within, past = (triton_kernels(text)["norm_project"] for text in lowered_steps(model, steps))
+    assert (within, past) == (3 * args.n_layers + 2 * args.n_dense_layers, 0)
 
 
 def test_a_one_token_steps_slot_launches_take_their_tiles(built):
