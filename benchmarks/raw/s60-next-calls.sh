@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The device calls session 60 prepared for the next one (benchmarks/NOTES.md item 75), kept here because
+# .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
+#   here:    bash benchmarks/raw/s60-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
+#   device:  bash benchmarks/raw/s60-next-calls.sh suite | rotary | projections | profiles
+# Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
+set -u
+cd "$(dirname "$0")/../.."
+R=${OUT:-/tmp/out}/r
+mkdir -p "$R"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+tree() {  # NAME [PATCH]: HEAD's code (no assets, tests or docs) in .device-data/var-NAME, with PATCH applied
+  rm -rf ".device-data/var-$1" && mkdir -p ".device-data/var-$1"
+  git archive HEAD -- dsv3_jax pallas_kernels scripts configs pyproject.toml ':(exclude)dsv3_jax/assets' \
+    | tar -x -C ".device-data/var-$1"
+  [ -z "${2:-}" ] || patch -s -p1 -d ".device-data/var-$1" < "$2"
+}
+
+in_tree() {  # NAME COMMAND...: run in a variant tree, its output kept in $R/log
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$R/log"
+  (cd ".device-data/var-$name" && PYTHONPATH=. timeout 240 "$@" 2>&1 | grep -v Warning | tee -a "$R/log")
+}
+
+pack() { nvidia-smi --query-gpu=name --format=csv,noheader > "$R/gpu.txt"; tar czf "$R/../r.tgz" -C "$R/.." r; }
+
+case "${1:-}" in
+  prep)
+    tree main
+    tree rotary benchmarks/raw/s60-rotary-bf16.patch  # rotate_rows' angle spread on bf16 tensor cores, exactly
+    grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py ;;
+  suite)  # first on an H200: the fast GPU suite (item 75: not run on an H200 since item 73)
+    PYTHON=python3 bash scripts/gpu_tests.sh 2>&1 | tail -40 | tee "$R/suite.log"; pack ;;
+  rotary)  # ~400 s: mla_absorb_query at b=8, 32 per tiling, then the step and generate() at b=1, 8, 32, two rounds
+    for v in main rotary; do
+      in_tree $v python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 8,32 --kernels query
+    done
+    for round in 1 2; do for v in main rotary; do
+      in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 1,8,32 \
+        --prefill-batches '' --tag "$v-$round" --out-dir "$R"
+    done; done
+    grep "decode b=\|mla_absorb" "$R/log"; pack ;;
+  projections)  # ~300 s: norm_project's tilings against XLA at b=8, 16, 32 (item 74: b=8's first launch 10.1 µs)
+    in_tree main python3 scripts/sweep_projections.py --config configs/config_16B.json --batches 8,16,32 \
+      --projections wq+wkv_a,wo --tilings '[[32,512,4,3],[32,1024,8,3],[64,256,4,3],[16,512,4,3],[32,128,4,3],[16,256,4,4]]'
+    pack ;;
+  profiles)  # ~300 s: main's unrolled step (what generate() runs) at b=8 and 32, PDL off
+    for b in 8 32; do
+      in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch $b --pdl off \
+        --build-kwargs '{"unroll": true}' --out "$R/prof-16B-b$b-unrolled.json"
+    done
+    pack ;;
+  *) echo "usage: $0 prep | suite | rotary | projections | profiles" >&2; exit 2 ;;
+esac
