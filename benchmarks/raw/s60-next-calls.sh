@@ -2,7 +2,7 @@
 # The device calls session 60 prepared for the next one (benchmarks/NOTES.md item 75), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s60-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s60-next-calls.sh suite | rotary | projections | profiles
+#   device:  bash benchmarks/raw/s60-next-calls.sh suite | rotary | narrow16 | projections | mla256 | profiles
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -29,7 +29,9 @@ case "${1:-}" in
   prep)
     tree main
     tree rotary benchmarks/raw/s60-rotary-bf16.patch  # rotate_rows' angle spread on bf16 tensor cores, exactly
-    grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py ;;
+    tree narrow16 benchmarks/raw/s60-narrow-swiglu-16.patch  # one-token swiglu launches at 16 x 16 tiles
+    grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
+    grep -n "block_n = 16" .device-data/var-narrow16/dsv3_jax/model/moe.py ;;
   suite)  # first on an H200: the fast GPU suite (item 75: not run on an H200 since item 73)
     PYTHON=python3 bash scripts/gpu_tests.sh 2>&1 | tail -40 | tee "$R/suite.log"; pack ;;
   rotary)  # ~400 s: mla_absorb_query at b=8, 32 per tiling, then the step and generate() at b=1, 8, 32, two rounds
@@ -41,15 +43,30 @@ case "${1:-}" in
         --prefill-batches '' --tag "$v-$round" --out-dir "$R"
     done; done
     grep "decode b=\|mla_absorb" "$R/log"; pack ;;
+  narrow16)  # ~450 s: the V3 cut (gemm fp8) and V2-Lite at b=1, step and generate(), two rounds: 1,152 programs of
+    # 16 x 16 (8.7 an SM) against 576 of 16 x 32 (4.4 an SM: the slot swiglu at 69 % of its bytes' floor, item 75)
+    for round in 1 2; do for v in main narrow16; do
+      in_tree $v python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 \
+        --weights fp8 --gemm-impl fp8 --decode-batches 1 --prefill-batches '' --tag "v3-$v-$round" --out-dir "$R"
+      in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 1 \
+        --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
+    done; done
+    grep "decode b=" "$R/log"; pack ;;
+  mla256)  # ~250 s: mla_decode at b=256 by tiling and split count (74 us a layer at b=256, ~65 % of the H100's rate)
+    in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 256 --kernels decode \
+      --decode-tiles '[{"block_t":64},{"block_t":32},{"block_t":32,"num_stages":3},{"block_t":32,"num_stages":4},{"block_t":16,"num_stages":4},{"block_t":64,"num_warps":8},{"block_t":32,"num_stages":3,"num_warps":8}]'
+    in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 256 --kernels splits \
+      --splits 1,2,4
+    pack ;;
   projections)  # ~300 s: norm_project's tilings against XLA at b=8, 16, 32 (item 74: b=8's first launch 10.1 µs)
     in_tree main python3 scripts/sweep_projections.py --config configs/config_16B.json --batches 8,16,32 \
       --projections wq+wkv_a,wo --tilings '[[32,512,4,3],[32,1024,8,3],[64,256,4,3],[16,512,4,3],[32,128,4,3],[16,256,4,4]]'
     pack ;;
-  profiles)  # ~300 s: main's unrolled step (what generate() runs) at b=8 and 32, PDL off
-    for b in 8 32; do
+  profiles)  # ~400 s: main's unrolled step (what generate() runs) at b=8, 32 and 256, PDL off
+    for b in 8 32 256; do
       in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch $b --pdl off \
         --build-kwargs '{"unroll": true}' --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | suite | rotary | projections | profiles" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | suite | rotary | narrow16 | projections | mla256 | profiles" >&2; exit 2 ;;
 esac
