@@ -2,7 +2,8 @@
 # The device calls session 60 prepared for the next one (benchmarks/NOTES.md item 75), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s60-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s60-next-calls.sh suite | rotary | narrow16 | projections | mla256 | profiles
+#   device:  bash benchmarks/raw/s60-next-calls.sh suite | dedup | dedup-suite | rotary | narrow16 | projections |
+#            mla256 | profiles
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -10,9 +11,10 @@ R=${OUT:-/tmp/out}/r
 mkdir -p "$R"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
-tree() {  # NAME [PATCH]: HEAD's code (no assets, tests or docs) in .device-data/var-NAME, with PATCH applied
+tree() {  # NAME [PATCH [PATH...]]: HEAD's code (no assets, tests or docs; PATHs too) in .device-data/var-NAME,
+  # with PATCH applied
   rm -rf ".device-data/var-$1" && mkdir -p ".device-data/var-$1"
-  git archive HEAD -- dsv3_jax pallas_kernels scripts configs pyproject.toml ':(exclude)dsv3_jax/assets' \
+  git archive HEAD -- dsv3_jax pallas_kernels scripts configs pyproject.toml ':(exclude)dsv3_jax/assets' "${@:3}" \
     | tar -x -C ".device-data/var-$1"
   [ -z "${2:-}" ] || patch -s -p1 -d ".device-data/var-$1" < "$2"
 }
@@ -30,10 +32,29 @@ case "${1:-}" in
     tree main
     tree rotary benchmarks/raw/s60-rotary-bf16.patch  # rotate_rows' angle spread on bf16 tensor cores, exactly
     tree narrow16 benchmarks/raw/s60-narrow-swiglu-16.patch  # one-token swiglu launches at 16 x 16 tiles
+    tree dedup benchmarks/raw/s60-slot-dedup.patch tests  # the slots form reads each expert once (with its tests)
+    grep -c _expert_rows .device-data/var-dedup/pallas_kernels/grouped.py
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -n "block_n = 16" .device-data/var-narrow16/dsv3_jax/model/moe.py ;;
   suite)  # first on an H200: the fast GPU suite (item 75: not run on an H200 since item 73)
     PYTHON=python3 bash scripts/gpu_tests.sh 2>&1 | tail -40 | tee "$R/suite.log"; pack ;;
+  dedup)  # ~500 s: the slots form reading each expert once, against main: V2-Lite b=1, 8 (auto runs slots) with
+    # generate(); slots against fused at b=16, 32 (the glue fused pays: sort, schedule, gathers, scatter); the V3 cut
+    in_tree main python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 1,8 \
+      --prefill-batches '' --tag 16B-main --out-dir "$R"
+    in_tree dedup python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 1,8 \
+      --prefill-batches '' --tag 16B-dedup --out-dir "$R"
+    in_tree dedup python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 16,32 \
+      --moe-impls fused,slots --prefill-batches '' --no-generate --tag 16B-dedup-impls --out-dir "$R"
+    for v in main dedup; do
+      in_tree $v python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 \
+        --weights fp8 --gemm-impl fp8 --decode-batches 1,8 --moe-impls auto,slots --prefill-batches '' --no-generate \
+        --tag "v3-$v" --out-dir "$R"
+    done
+    grep "decode b=" "$R/log"; pack ;;
+  dedup-suite)  # ~300 s: the fast GPU suite on the dedup tree (before it can merge)
+    (cd .device-data/var-dedup && PYTHON=python3 bash scripts/gpu_tests.sh 2>&1 | tail -40 | tee "$R/dedup-suite.log")
+    pack ;;
   rotary)  # ~400 s: mla_absorb_query at b=8, 32 per tiling, then the step and generate() at b=1, 8, 32, two rounds
     for v in main rotary; do
       in_tree $v python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 8,32 --kernels query
@@ -68,5 +89,5 @@ case "${1:-}" in
         --build-kwargs '{"unroll": true}' --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | suite | rotary | narrow16 | projections | mla256 | profiles" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | suite | dedup | dedup-suite | rotary | narrow16 | projections | mla256 | profiles" >&2; exit 2 ;;
 esac
