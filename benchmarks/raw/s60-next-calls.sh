@@ -2,8 +2,8 @@
 # The device calls session 60 prepared for the next one (benchmarks/NOTES.md item 75), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s60-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s60-next-calls.sh suite | dedup | dedup-suite | rotary | narrow16 | projections |
-#            mla256 | profiles
+#   device:  bash benchmarks/raw/s60-next-calls.sh suite | dedup | dedup-v3 | dedup-suite | rotary | narrow16 |
+#            projections | mla256 | profiles
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -36,16 +36,18 @@ case "${1:-}" in
     grep -c _expert_rows .device-data/var-dedup/pallas_kernels/grouped.py
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -n "block_n = 16" .device-data/var-narrow16/dsv3_jax/model/moe.py ;;
-  suite)  # first on an H200: the fast GPU suite (item 75: not run on an H200 since item 73)
+  suite)  # first on an H200: the fast GPU suite (item 75: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh 2>&1 | tail -40 | tee "$R/suite.log"; pack ;;
-  dedup)  # ~500 s: the slots form reading each expert once, against main: V2-Lite b=1, 8 (auto runs slots) with
-    # generate(); slots against fused at b=16, 32 (the glue fused pays: sort, schedule, gathers, scatter); the V3 cut
-    in_tree main python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 1,8 \
-      --prefill-batches '' --tag 16B-main --out-dir "$R"
-    in_tree dedup python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 1,8 \
-      --prefill-batches '' --tag 16B-dedup --out-dir "$R"
+  dedup)  # ~450 s: the slots form reading each expert once, against main: V2-Lite b=1, 8 (auto runs slots) with
+    # generate(), two rounds; then slots against fused at b=16, 32 (the glue fused pays: sort, schedule, scatter)
+    for round in 1 2; do for v in main dedup; do
+      in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 1,8 \
+        --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
+    done; done
     in_tree dedup python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 16,32 \
       --moe-impls fused,slots --prefill-batches '' --no-generate --tag 16B-dedup-impls --out-dir "$R"
+    grep "decode b=" "$R/log"; pack ;;
+  dedup-v3)  # ~250 s: the V3 cut (gemm fp8) at b=1, 8, auto and slots, main against the dedup tree
     for v in main dedup; do
       in_tree $v python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 \
         --weights fp8 --gemm-impl fp8 --decode-batches 1,8 --moe-impls auto,slots --prefill-batches '' --no-generate \
@@ -89,5 +91,5 @@ case "${1:-}" in
         --build-kwargs '{"unroll": true}' --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | suite | dedup | dedup-suite | rotary | narrow16 | projections | mla256 | profiles" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | suite | dedup | dedup-v3 | dedup-suite | rotary | narrow16 | projections | mla256 | profiles" >&2; exit 2 ;;
 esac
