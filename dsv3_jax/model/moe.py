@@ -93,7 +93,7 @@ def grouped_kernel_applies(in_dims: tuple[int, ...]) -> bool:
     return not use_interpret() and all(k % FP8_BLOCK == 0 for k in in_dims)
 
 
-SLOTS_MAX = 48  # (token, expert) slots up to which "auto" runs "slots"
+SLOTS_MAX = 96  # (token, expert) slots up to which "auto" runs "slots"
 # routed rows up to which "auto" runs "fused" (decode-sized); above, the grouped kernel, which is the
 # same decode/prefill boundary at which grouped_gemm takes its wgmma kernel and _kernel_tiles tall tiles
 FUSED_MAX_ROWS = MOSAIC_MIN_ROWS

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# The device calls session 60 prepared for the next one (benchmarks/NOTES.md item 75), kept here because
+# The device calls sessions 60-61 prepared for the next one (benchmarks/NOTES.md items 75-76), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
-#   here:    bash benchmarks/raw/s60-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s60-next-calls.sh suite | dedup | dedup-v3 | dedup-suite | rotary | narrow16 |
-#            projections | mla256 | profiles
+#   here:    bash benchmarks/raw/s61-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
+#   device:  bash benchmarks/raw/s61-next-calls.sh suite | rotary | slots12 | projections | mla256 | profiles
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -31,32 +30,9 @@ case "${1:-}" in
   prep)
     tree main
     tree rotary benchmarks/raw/s60-rotary-bf16.patch  # rotate_rows' angle spread on bf16 tensor cores, exactly
-    tree narrow16 benchmarks/raw/s60-narrow-swiglu-16.patch  # one-token swiglu launches at 16 x 16 tiles
-    tree dedup benchmarks/raw/s60-slot-dedup.patch tests  # the slots form reads each expert once (with its tests)
-    grep -c _expert_rows .device-data/var-dedup/pallas_kernels/grouped.py
-    grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
-    grep -n "block_n = 16" .device-data/var-narrow16/dsv3_jax/model/moe.py ;;
-  suite)  # first on an H200: the fast GPU suite (item 75: not run on an H200 since item 72)
+    grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py ;;
+  suite)  # first on an H200: the fast GPU suite (items 75-76: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh 2>&1 | tail -40 | tee "$R/suite.log"; pack ;;
-  dedup)  # ~450 s: the slots form reading each expert once, against main: V2-Lite b=1, 8 (auto runs slots) with
-    # generate(), two rounds; then slots against fused at b=16, 32 (the glue fused pays: sort, schedule, scatter)
-    for round in 1 2; do for v in main dedup; do
-      in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 1,8 \
-        --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
-    done; done
-    in_tree dedup python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 16,32 \
-      --moe-impls fused,slots --prefill-batches '' --no-generate --tag 16B-dedup-impls --out-dir "$R"
-    grep "decode b=" "$R/log"; pack ;;
-  dedup-v3)  # ~250 s: the V3 cut (gemm fp8) at b=1, 8, auto and slots, main against the dedup tree
-    for v in main dedup; do
-      in_tree $v python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 \
-        --weights fp8 --gemm-impl fp8 --decode-batches 1,8 --moe-impls auto,slots --prefill-batches '' --no-generate \
-        --tag "v3-$v" --out-dir "$R"
-    done
-    grep "decode b=" "$R/log"; pack ;;
-  dedup-suite)  # ~300 s: the fast GPU suite on the dedup tree (before it can merge)
-    (cd .device-data/var-dedup && PYTHON=python3 bash scripts/gpu_tests.sh 2>&1 | tail -40 | tee "$R/dedup-suite.log")
-    pack ;;
   rotary)  # ~400 s: mla_absorb_query at b=8, 32 per tiling, then the step and generate() at b=1, 8, 32, two rounds
     for v in main rotary; do
       in_tree $v python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 8,32 --kernels query
@@ -66,14 +42,13 @@ case "${1:-}" in
         --prefill-batches '' --tag "$v-$round" --out-dir "$R"
     done; done
     grep "decode b=\|mla_absorb" "$R/log"; pack ;;
-  narrow16)  # ~450 s: the V3 cut (gemm fp8) and V2-Lite at b=1, step and generate(), two rounds: 1,152 programs of
-    # 16 x 16 (8.7 an SM) against 576 of 16 x 32 (4.4 an SM: the slot swiglu at 69 % of its bytes' floor, item 75)
-    for round in 1 2; do for v in main narrow16; do
-      in_tree $v python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 \
-        --weights fp8 --gemm-impl fp8 --decode-batches 1 --prefill-batches '' --tag "v3-$v-$round" --out-dir "$R"
-      in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 1 \
-        --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
-    done; done
+  slots12)  # ~200 s: the V3 cut (gemm fp8) at b=12 (96 slots: "slots" since item 76, unmeasured) and b=8, 16,
+    # fused against slots, step only, two rounds
+    for round in 1 2; do
+      in_tree main python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 \
+        --weights fp8 --gemm-impl fp8 --decode-batches 8,12,16 --moe-impls fused,slots --prefill-batches '' \
+        --no-generate --tag "v3-impls-$round" --out-dir "$R"
+    done
     grep "decode b=" "$R/log"; pack ;;
   mla256)  # ~250 s: mla_decode at b=256 by tiling and split count (74 us a layer at b=256, ~65 % of the H100's rate)
     in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 256 --kernels decode \
@@ -91,5 +66,5 @@ case "${1:-}" in
         --build-kwargs '{"unroll": true}' --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | suite | dedup | dedup-v3 | dedup-suite | rotary | narrow16 | projections | mla256 | profiles" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | suite | rotary | slots12 | projections | mla256 | profiles" >&2; exit 2 ;;
 esac
