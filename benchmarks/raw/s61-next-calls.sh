@@ -2,7 +2,8 @@
 # The device calls sessions 60-61 prepared for the next one (benchmarks/NOTES.md items 75-76), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s61-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s61-next-calls.sh suite | rotary | slots12 | projections | mla256 | profiles
+#   device:  bash benchmarks/raw/s61-next-calls.sh suite | profiles | mla256 | rotary | slots12 | projections
+#            (in that order of worth: the suite first on an H200 only)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -60,8 +61,9 @@ case "${1:-}" in
     in_tree main python3 scripts/sweep_projections.py --config configs/config_16B.json --batches 8,16,32 \
       --projections wq+wkv_a,wo --tilings '[[32,512,4,3],[32,1024,8,3],[64,256,4,3],[16,512,4,3],[32,128,4,3],[16,256,4,4]]'
     pack ;;
-  profiles)  # ~400 s: main's unrolled step (what generate() runs) at b=8, 32 and 256, PDL off
-    for b in 8 32 256; do
+  profiles)  # ~270 s: main's unrolled step (what generate() runs) at b=256 and 32, PDL off (item 76: b=256 has the
+    # headroom; item 74's b=8 profile stands, its routed launches at 84 % of the H100's rate)
+    for b in 256 32; do
       in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch $b --pdl off \
         --build-kwargs '{"unroll": true}' --out "$R/prof-16B-b$b-unrolled.json"
     done
