@@ -51,11 +51,17 @@ case "${1:-}" in
         --no-generate --tag "v3-impls-$round" --out-dir "$R"
     done
     grep "decode b=" "$R/log"; pack ;;
-  mla256)  # ~250 s: mla_decode at b=256 by tiling and split count (74 us a layer at b=256, ~65 % of the H100's rate)
+  mla256)  # ~320 s: mla_decode at b=256 by tiling and split count (74 us a layer at b=256, ~65 % of the H100's
+    # rate), then mla_decode_output by tiling
     in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 256 --kernels decode \
       --decode-tiles '[{"block_t":64},{"block_t":32},{"block_t":32,"num_stages":3},{"block_t":32,"num_stages":4},{"block_t":16,"num_stages":4},{"block_t":64,"num_warps":8},{"block_t":32,"num_stages":3,"num_warps":8}]'
     in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 256 --kernels splits \
       --splits 1,2,4
+    # mla_decode_output at b=256 (23 us a layer in item 74's profile against ~5 of bytes): each of the default's
+    # two V blocks of 64 merges its rows' splits itself; one program for both, or all 128 columns at once
+    in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 256 --kernels output \
+      --split-blocks 64 --output-tiles \
+      '[{"block_v":64},{"block_v":64,"v_blocks":2},{"block_v":128},{"block_v":32,"v_blocks":4},{"block_v":64,"num_warps":8}]'
     pack ;;
   projections)  # ~300 s: norm_project's tilings against XLA at b=8, 16, 32 (item 74: b=8's first launch 10.1 µs)
     in_tree main python3 scripts/sweep_projections.py --config configs/config_16B.json --batches 8,16,32 \
