@@ -147,7 +147,7 @@ def test_a_one_token_steps_slot_launches_take_their_tiles(built):
     """The down projection's grouped launch of at most WIDE_DOWN_TILE_MAX_ROWS rows takes 16 x 128 tiles: at one
     token (8 routed slots and the shared expert's row) dim / 128 column programs; at 8 tokens (72 rows) 16 x 64
     tiles, dim / 64. The swiglu launch takes 16 x 32 tiles at one token (NARROW_SWIGLU_TILE_MAX_ROWS; its slots form
-    has a row a token) and 16 x 64 at 8 ("fused": 72 gathered rows)."""
+    has a row a token) and 16 x 64 at 8 (8 rows in the slots form, 72 gathered ones in "fused")."""
     model = variant(built["fp8"], gemm_impl="fp8")
     steps = [("decode b=1", 1, 1, 300), ("decode b=8", 8, 1, 16)]
     dim, inter = model.args.dim, model.args.moe_inter_dim
