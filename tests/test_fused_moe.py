@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import dsv3_jax
+from dsv3_jax.model.moe import RANK_BY_PAIRS_MAX, sorted_positions
 from dsv3_jax.sharding import make_mesh
 from kernel_checks import kernel_twins
 from pallas_kernels import FP8_BLOCK, FP8_DTYPE
@@ -260,3 +261,16 @@ def test_shared_experts_run_inside_the_grouped_kernels(random_model, num_devices
     rel = np.linalg.norm(logits[True] - logits[False]) / np.linalg.norm(logits[False])
     assert rel < 1e-5, rel
 
+
+@pytest.mark.parametrize("n, groups", [(1, 4), (192, 66), (RANK_BY_PAIRS_MAX, 257), (RANK_BY_PAIRS_MAX + 52, 64)])
+def test_sorted_positions_invert_a_stable_argsort(n, groups):
+    """The fused path's rows: where each assignment lands, both ways of ranking (pairs up to RANK_BY_PAIRS_MAX,
+    a sort past it), against numpy's stable argsort; keys >= groups (other ranks' experts) last, uncounted."""
+    rng = np.random.default_rng(n)
+    keys = rng.integers(0, groups + 1, n).astype(np.int32)  # many ties, some of them the foreign marker
+    position, sizes = jax.jit(sorted_positions, static_argnums=1)(keys, groups)
+    order = np.argsort(keys, kind="stable")
+    want = np.empty(n, np.int64)
+    want[order] = np.arange(n)
+    np.testing.assert_array_equal(np.asarray(position), want)
+    np.testing.assert_array_equal(np.asarray(sizes), np.bincount(keys, minlength=groups + 1)[:groups])

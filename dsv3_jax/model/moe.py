@@ -271,6 +271,31 @@ def _shared_kernel_weights(shared: MLP | None, inter: int) -> tuple[int, dict, d
             dict(shared_w=shared.w2.weight[...], shared_w_scale=_scale(shared.w2)))
 
 
+# routed assignments up to which `sorted_positions` ranks them by comparing every pair (one reduction, no sort):
+# decode-sized steps ("auto" runs "fused" up to FUSED_MAX_ROWS); a forced "fused" prefill sorts
+RANK_BY_PAIRS_MAX = MOSAIC_MIN_ROWS
+
+
+def sorted_positions(keys: jnp.ndarray, groups: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """int32 (N,) where each of `keys` (N,) lands when sorted stably (ties by index), and the count of each
+    key below `groups` (keys >= groups sort last and are not counted)."""
+    n = keys.shape[0]
+    index = jnp.arange(n, dtype=jnp.int32)
+    if n <= RANK_BY_PAIRS_MAX:
+        key_j, key_i = keys[None, :], keys[:, None]
+        before = (key_j < key_i) | ((key_j == key_i) & (index[None, :] < index[:, None]))
+        position = jnp.sum(before, axis=1, dtype=jnp.int32)
+    else:
+        position = _permuted(index, jnp.argsort(keys, stable=True))
+    sizes = jnp.sum(keys[None, :] == jnp.arange(groups, dtype=keys.dtype)[:, None], axis=1, dtype=jnp.int32)
+    return position, sizes
+
+
+def _permuted(values: jnp.ndarray, to: jnp.ndarray) -> jnp.ndarray:
+    """values moved to the positions `to` (a permutation): out[to[i]] = values[i]."""
+    return jnp.zeros_like(values).at[to].set(values, unique_indices=True)
+
+
 class Experts(nnx.Module):
     """The routed experts of one MoE layer, stacked (E, out, in) and split over ranks by expert.
 
@@ -374,7 +399,7 @@ class Experts(nnx.Module):
                shared: MLP | None, x_fp8=None) -> jnp.ndarray:
         """moe_impl "fused": the (token, choice) assignments sorted by this rank's expert, their rows gathered,
         then two Pallas launches: w1, w3 and silu * mul in one (`grouped_gemm_swiglu`), w2 with the routing
-        weights applied to its accumulator (`row_scale`); the rows scatter-added back to their tokens. With
+        weights applied to its accumulator (`row_scale`); each token's rows gathered back and summed. With
         `shared`, every token has one more assignment per shared expert (`shared_chunks`; weight 1), groups
         past the routed ones that the kernels read from the shared MLP's weights in place, tiles of several
         tokens' rows. Assignments of other ranks' experts sort past every group: the kernels leave them zero."""
@@ -383,14 +408,16 @@ class Experts(nnx.Module):
         chunks, fused, down = _shared_kernel_weights(shared, self.w1.weight.shape[-2])
         local_ids = indices.reshape(-1) - first
         mine = (local_ids >= 0) & (local_ids < local_experts)
-        groups = local_experts + chunks
-        sort_key = jnp.concatenate([jnp.where(mine, local_ids, groups),
-                                    local_experts + jnp.repeat(jnp.arange(chunks, dtype=local_ids.dtype), tokens)])
-        order = jnp.argsort(sort_key, stable=True)
-        token_of = jnp.concatenate([jnp.arange(tokens * topk) // topk, jnp.tile(jnp.arange(tokens), chunks)])[order]
-        group_sizes = jnp.bincount(sort_key, length=groups + 1)[:-1].astype(jnp.int32)
-        row_weights = jnp.concatenate([jnp.where(mine, weights.reshape(-1), 0.0).astype(jnp.float32),
-                                       jnp.ones((chunks * tokens,), jnp.float32)])[order]
+        position, sizes = sorted_positions(jnp.where(mine, local_ids, local_experts), local_experts)
+        # the rows: this rank's routed assignments by expert, the shared chunks' (chunk-major), the foreign ones
+        mine_rows = jnp.sum(sizes)
+        row_of = jnp.concatenate([jnp.where(mine, position, position + chunks * tokens),
+                                  mine_rows + jnp.arange(chunks * tokens, dtype=position.dtype)])
+        token_of = _permuted(jnp.concatenate([jnp.arange(tokens * topk) // topk, jnp.tile(jnp.arange(tokens), chunks)]),
+                             row_of)
+        row_weights = _permuted(jnp.concatenate([jnp.where(mine, weights.reshape(-1), 0.0).astype(jnp.float32),
+                                                 jnp.ones((chunks * tokens,), jnp.float32)]), row_of)
+        group_sizes = jnp.concatenate([sizes, jnp.full((chunks,), tokens, jnp.int32)])
         layer = stack_index if self.w1.weight.ndim == 4 else None
         rows_fp8 = None if x_fp8 is None else tuple(jnp.take(a, token_of, axis=0) for a in x_fp8)
         hidden = grouped_swiglu(jnp.take(x, token_of, axis=0), self.w1.weight[...], self.w3.weight[...],
@@ -398,7 +425,11 @@ class Experts(nnx.Module):
                                 x_fp8=rows_fp8, **fused)
         out = grouped_matmul(hidden, self.w2.weight[...], _scale(self.w2), group_sizes, **ctx.gemm, use_kernel=True,
                              stack_index=layer, row_scale=row_weights, **down)
-        return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
+        # each token's rows gathered and summed in a fixed order: no float32 scatter-add
+        routed = jnp.take(out, row_of[:tokens * topk], axis=0).reshape(tokens, topk, -1).sum(axis=1)
+        if not chunks:
+            return routed
+        return routed + jnp.take(out, row_of[tokens * topk:], axis=0).reshape(chunks, tokens, -1).sum(axis=0)
 
     def _slots(self, x, weights, indices, first, ctx: StepContext, stack_index,
                shared: MLP | None, x_fp8=None) -> jnp.ndarray:
