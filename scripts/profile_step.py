@@ -78,14 +78,16 @@ def gpu_events(run) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and "gpu" in names.get(e.get("pid"), "").lower()]
 
 
-def launch_us(name: str | None, per_layer, layers: int, repeats: int) -> float:
-    """Mean GPU time (µs) of the kernels whose names start with `name` while a jit of per_layer(layer) for each of
-    `layers` layers runs `repeats` times; each layer's launch reads its own layer of the stacks (cold in L2).
-    name None: every kernel of a layer's work together (several launches), a layer's mean."""
-    many = jax.jit(lambda: [per_layer(jnp.int32(layer)) for layer in range(layers)])
-    jax.block_until_ready(many())
-    jax.block_until_ready(many())
-    events = [e for e in gpu_events(lambda: [jax.block_until_ready(many()) for _ in range(repeats)])
+def launch_us(name: str | None, per_layer, layers: int, repeats: int, operands=None) -> float:
+    """Mean GPU time (µs) of the kernels whose names start with `name` while a jit of per_layer(layer, operands) for
+    each of `layers` layers runs `repeats` times; each layer's launch reads its own layer of the stacks (cold in L2).
+    operands: the arrays per_layer reads, passed to the jit as arguments (arrays a closure holds would be compiled
+    into the program as constants: a V2-Lite cache at b=256 made a 4.6 GB program). name None: every kernel of a
+    layer's work together (several launches), a layer's mean."""
+    many = jax.jit(lambda ops: [per_layer(jnp.int32(layer), ops) for layer in range(layers)])
+    jax.block_until_ready(many(operands))
+    jax.block_until_ready(many(operands))
+    events = [e for e in gpu_events(lambda: [jax.block_until_ready(many(operands)) for _ in range(repeats)])
               if name is None or e["name"].startswith(name)]
     if name is not None and len(events) != layers * repeats:
         raise RuntimeError(f"{len(events)} '{name}' kernels traced, expected {layers * repeats}")

@@ -86,11 +86,11 @@ def _fp8_wkv_b(normal, layers: int, rows: int, rank: int) -> dict:
                 wkv_b_scale=normal((layers, rows // 128, rank // 128), 0.01, jnp.float32) ** 2 + rank ** -0.5 / 16)
 
 
-def launch_us(name: str, per_layer, layers: int, repeats: int) -> float | str:
-    """Mean GPU time of the kernel events called `name` while a jit of per_layer(layer) for each layer runs
-    (or the first line of the error of a tiling that does not compile)."""
+def launch_us(name: str, per_layer, layers: int, repeats: int, operands: dict) -> float | str:
+    """Mean GPU time of the kernel events called `name` while a jit of per_layer(layer, operands) for each layer
+    runs (or the first line of the error of a tiling that does not compile)."""
     try:
-        return profile_step.launch_us(name, per_layer, layers, repeats)
+        return profile_step.launch_us(name, per_layer, layers, repeats, operands)
     except Exception as e:  # noqa: BLE001 -- a tiling Triton refuses is a result of the sweep
         return f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
 
@@ -115,20 +115,21 @@ def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int, 
 def _query_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int):
     nope = args.qk_nope_head_dim
     for tiles in QUERY_TILES:
-        run = lambda layer, t=tiles: mla_absorb_query(x["q"], x["wkv_b"], layer, nope=nope,  # noqa: E731
-                                                      rope=(x["cos"], x["sin"], True),
-                                                      wkv_b_scale=x["wkv_b_scale"], **t)
-        yield dict(row, kernel="mla_absorb_query", tiles=tiles, us=launch_us("mla_absorb_query", run, layers, repeats))
+        run = lambda layer, x, t=tiles: mla_absorb_query(x["q"], x["wkv_b"], layer, nope=nope,  # noqa: E731
+                                                         rope=(x["cos"], x["sin"], True),
+                                                         wkv_b_scale=x["wkv_b_scale"], **t)
+        yield dict(row, kernel="mla_absorb_query", tiles=tiles,
+                   us=launch_us("mla_absorb_query", run, layers, repeats, x))
 
 
 def _decode_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int, decode_tiles: list[dict]):
     window, scale = row["window"], args.qk_head_dim ** -0.5
     for tiles in decode_tiles:
-        run = lambda layer, t=tiles: mla_decode_splits(x["q_latent"], x["q_pe"], x["kv"], x["pe"],  # noqa: E731
-                                                       layer, x["lengths"], kv_len=window, scale=scale, **t)
+        run = lambda layer, x, t=tiles: mla_decode_splits(x["q_latent"], x["q_pe"], x["kv"], x["pe"],  # noqa: E731
+                                                          layer, x["lengths"], kv_len=window, scale=scale, **t)
         yield dict(row, kernel="mla_decode", tiles=tiles, splits=default_splits(row["batch"], args.n_heads, window,
                                                                                 tiles.get("block_t", BLOCK_T), 16),
-                   us=launch_us("mla_decode", run, layers, repeats))
+                   us=launch_us("mla_decode", run, layers, repeats, x))
 
 
 def _output_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int, output_tiles: list[dict],
@@ -137,11 +138,11 @@ def _output_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int,
     for block_t, tiles in itertools.product(split_blocks, output_tiles):
         acc, m, l = mla_decode_splits(x["q_latent"], x["q_pe"], x["kv"], x["pe"], 0, x["lengths"], kv_len=window,
                                       scale=scale, block_t=block_t)
-        run = lambda layer, t=tiles: mla_decode_output(  # noqa: E731
-            acc, m, l, x["q_latent"], x["q_pe"], x["new_kv"], x["new_pe"], x["wkv_b"], layer, scale=scale,
-            v_dim=args.v_head_dim, wkv_b_scale=x["wkv_b_scale"], **t)
+        run = lambda layer, x, t=tiles: mla_decode_output(  # noqa: E731
+            x["acc"], x["m"], x["l"], x["q_latent"], x["q_pe"], x["new_kv"], x["new_pe"], x["wkv_b"], layer,
+            scale=scale, v_dim=args.v_head_dim, wkv_b_scale=x["wkv_b_scale"], **t)
         yield dict(row, kernel="mla_decode_output", tiles=tiles, splits=int(acc.shape[1]),
-                   us=launch_us("mla_decode_output", run, layers, repeats))
+                   us=launch_us("mla_decode_output", run, layers, repeats, dict(x, acc=acc, m=m, l=l)))
 
 
 def _split_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int, split_counts: list[int]):
@@ -149,14 +150,14 @@ def _split_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int, 
     window, scale = row["window"], args.qk_head_dim ** -0.5
     chosen = default_splits(row["batch"], args.n_heads, window, 64, 16)
     for splits in split_counts:
-        decode = lambda layer, s=splits: mla_decode_splits(  # noqa: E731
+        decode = lambda layer, x, s=splits: mla_decode_splits(  # noqa: E731
             x["q_latent"], x["q_pe"], x["kv"], x["pe"], layer, x["lengths"], kv_len=window, scale=scale, splits=s)
-        acc, m, l = decode(0)
-        output = lambda layer, acc=acc, m=m, l=l: mla_decode_output(  # noqa: E731
-            acc, m, l, x["q_latent"], x["q_pe"], x["new_kv"], x["new_pe"], x["wkv_b"], layer, scale=scale,
-            v_dim=args.v_head_dim, wkv_b_scale=x["wkv_b_scale"])
-        times = dict(decode=launch_us("mla_decode", decode, layers, repeats),
-                     output=launch_us("mla_decode_output", output, layers, repeats))
+        acc, m, l = decode(0, x)
+        output = lambda layer, x: mla_decode_output(  # noqa: E731
+            x["acc"], x["m"], x["l"], x["q_latent"], x["q_pe"], x["new_kv"], x["new_pe"], x["wkv_b"], layer,
+            scale=scale, v_dim=args.v_head_dim, wkv_b_scale=x["wkv_b_scale"])
+        times = dict(decode=launch_us("mla_decode", decode, layers, repeats, x),
+                     output=launch_us("mla_decode_output", output, layers, repeats, dict(x, acc=acc, m=m, l=l)))
         total = sum(times.values()) if all(isinstance(t, float) for t in times.values()) else "; ".join(
             str(t) for t in times.values() if not isinstance(t, float))
         for kernel, us in (*times.items(), ("decode+output", total)):

@@ -49,7 +49,7 @@ def sweep(width: int, batch: int, groups: list[int], layers: int, repeats: int):
                                                   column_groups=g)}
     for form, norm in forms.items():
         for g in groups:
-            us = launch_us("rms_norm", lambda layer, g=g, norm=norm: norm(layer, g), layers, repeats)
+            us = launch_us("rms_norm", lambda layer, _, g=g, norm=norm: norm(layer, g), layers, repeats)
             yield dict(batch=batch, width=width, form=form, column_groups=g, us=us)
 
 
@@ -60,14 +60,14 @@ def sweep_gate(width: int, batch: int, experts: int, groups: list[int], layers: 
     weight = jax.random.uniform(keys[2], (layers, width), jnp.float32, 0.5, 1.5)
     gate = (jax.random.normal(keys[3], (layers, experts, width), jnp.float32) * width ** -0.5).astype(jnp.bfloat16)
 
-    def norm_then_gemv(layer):
+    def norm_then_gemv(layer, _):
         normed, h = rms_norm(x, weight, eps=1e-6, residual=residual, layer=layer)
         return jnp.dot(normed.astype(jnp.float32), gate[layer].astype(jnp.float32).T), h
 
     us = launch_us(None, norm_then_gemv, layers, repeats)
     yield dict(batch=batch, width=width, experts=experts, form="norm, then XLA's gate GEMV", gate_groups=0, us=us)
     for g in groups:
-        us = launch_us(None, lambda layer, g=g: rms_norm(x, weight, eps=1e-6, residual=residual, layer=layer,
+        us = launch_us(None, lambda layer, _, g=g: rms_norm(x, weight, eps=1e-6, residual=residual, layer=layer,
                                                          gate=gate, gate_groups=g), layers, repeats)
         yield dict(batch=batch, width=width, experts=experts, form="gate in the norm", gate_groups=g, us=us)
 
