@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-61 prepared for the next one (benchmarks/NOTES.md items 75-76), kept here because
+# The device calls sessions 60-62 prepared for the next one (benchmarks/NOTES.md items 75-77), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
-#   here:    bash benchmarks/raw/s61-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s61-next-calls.sh suite | profiles | glue | mla256 | rotary | slots12 | projections
-#            (in that order of worth: the suite first on an H200 only; glue-suite before the glue tree merges)
+#   here:    bash benchmarks/raw/s62-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
+#   device:  bash benchmarks/raw/s62-next-calls.sh suite | profiles | mla256 | rotary | slots12 | projections
+#            (in that order of worth: the suite first on an H200 only)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -31,11 +31,10 @@ case "${1:-}" in
   prep)
     tree main
     tree rotary benchmarks/raw/s60-rotary-bf16.patch  # rotate_rows' angle spread on bf16 tensor cores, exactly
-    tree glue benchmarks/raw/s61-fused-glue.patch tests  # "fused" without argsort or scatter-add (with its test)
-    grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
-    grep -c "def sorted_positions" .device-data/var-glue/dsv3_jax/model/moe.py ;;
-  suite)  # first on an H200: the fast GPU suite (items 75-76: not run on an H200 since item 72)
-    PYTHON=python3 bash scripts/gpu_tests.sh 2>&1 | tail -40 | tee "$R/suite.log"; pack ;;
+    grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py ;;
+  suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
+    PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
+    grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
   rotary)  # ~400 s: mla_absorb_query at b=8, 32 per tiling, then the step and generate() at b=1, 8, 32, two rounds
     for v in main rotary; do
       in_tree $v python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 8,32 --kernels query
@@ -45,21 +44,6 @@ case "${1:-}" in
         --prefill-batches '' --tag "$v-$round" --out-dir "$R"
     done; done
     grep "decode b=\|mla_absorb" "$R/log"; pack ;;
-  glue)  # ~420 s: "fused" placing its rows by pairwise rank and summing each token's rows by a gather (item 76: the
-    # sort 12.8 and the scatter-add 9 us a layer at b=256), against main: V2-Lite b=32, 256 with generate(), two
-    # rounds; the V3 cut b=16 (128 slots, "fused"), step only
-    for round in 1 2; do for v in main glue; do
-      in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 32,256 \
-        --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
-    done; done
-    for v in main glue; do
-      in_tree $v python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 \
-        --weights fp8 --gemm-impl fp8 --decode-batches 16 --prefill-batches '' --no-generate --tag "v3-$v" --out-dir "$R"
-    done
-    grep "decode b=\|generate b=" "$R/log"; pack ;;
-  glue-suite)  # ~300 s: the fast GPU suite on the glue tree (before it can merge)
-    (cd .device-data/var-glue && PYTHON=python3 bash scripts/gpu_tests.sh 2>&1 | tail -40 | tee "$R/glue-suite.log")
-    pack ;;
   slots12)  # ~200 s: the V3 cut (gemm fp8) at b=12 (96 slots: "slots" since item 76, unmeasured) and b=8, 16,
     # fused against slots, step only, two rounds
     for round in 1 2; do
@@ -84,12 +68,12 @@ case "${1:-}" in
     in_tree main python3 scripts/sweep_projections.py --config configs/config_16B.json --batches 8,16,32 \
       --projections wq+wkv_a,wo --tilings '[[32,512,4,3],[32,1024,8,3],[64,256,4,3],[16,512,4,3],[32,128,4,3],[16,256,4,4]]'
     pack ;;
-  profiles)  # ~270 s: main's unrolled step (what generate() runs) at b=256 and 32, PDL off (item 76: b=256 has the
-    # headroom; item 74's b=8 profile stands, its routed launches at 84 % of the H100's rate)
-    for b in 256 32; do
-      in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch $b --pdl off \
-        --build-kwargs '{"unroll": true}' --out "$R/prof-16B-b$b-unrolled.json"
-    done
+  profiles)  # ~250 s: main's step at b=256 scanned (the unrolled one ran out of memory in profile_step.py, item 77)
+    # and b=128 unrolled (what generate() runs), PDL off: where b=256's ~9 ms outside the routed launches go now
+    in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch 256 --pdl off \
+      --out "$R/prof-16B-b256-scanned.json"
+    in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch 128 --pdl off \
+      --build-kwargs '{"unroll": true}' --out "$R/prof-16B-b128-unrolled.json"
     pack ;;
-  *) echo "usage: $0 prep | suite | profiles | glue | glue-suite | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | suite | profiles | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
 esac
