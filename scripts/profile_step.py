@@ -81,9 +81,9 @@ def gpu_events(run) -> list[dict]:
 def launch_us(name: str | None, per_layer, layers: int, repeats: int, operands=None) -> float:
     """Mean GPU time (µs) of the kernels whose names start with `name` while a jit of per_layer(layer, operands) for
     each of `layers` layers runs `repeats` times; each layer's launch reads its own layer of the stacks (cold in L2).
-    operands: the arrays per_layer reads, passed to the jit as arguments (arrays a closure holds would be compiled
-    into the program as constants: a V2-Lite cache at b=256 made a 4.6 GB program). name None: every kernel of a
-    layer's work together (several launches), a layer's mean."""
+    operands: the arrays per_layer reads, passed to the jit as arguments (arrays a closure holds are compiled into
+    the program as constants, and a program over 2 GB does not compile). name None: every kernel of a layer's work
+    together (several launches), a layer's mean."""
     many = jax.jit(lambda ops: [per_layer(jnp.int32(layer), ops) for layer in range(layers)])
     jax.block_until_ready(many(operands))
     jax.block_until_ready(many(operands))
