@@ -68,12 +68,15 @@ case "${1:-}" in
     in_tree main python3 scripts/sweep_projections.py --config configs/config_16B.json --batches 8,16,32 \
       --projections wq+wkv_a,wo --tilings '[[32,512,4,3],[32,1024,8,3],[64,256,4,3],[16,512,4,3],[32,128,4,3],[16,256,4,4]]'
     pack ;;
-  profiles)  # ~250 s: main's step at b=256 scanned (the unrolled one ran out of memory in profile_step.py, item 77)
-    # and b=128 unrolled (what generate() runs), PDL off: where b=256's ~9 ms outside the routed launches go now
-    in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch 256 --pdl off \
-      --out "$R/prof-16B-b256-scanned.json"
-    in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch 128 --pdl off \
-      --build-kwargs '{"unroll": true}' --out "$R/prof-16B-b128-unrolled.json"
+  profiles)  # ~250 s: main's unrolled step (what generate() runs) at b=256, then 128, PDL off: where b=256's ~9 ms
+    # outside the routed launches go now. Item 77's b=256 ran out of memory (18.85 GiB in jit_step), likely in the
+    # prefill (256 x 512 tokens a step, unrolled): here it prefills 64 tokens a row a step; scanned if that fails too
+    for b in 256 128; do
+      in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch $b --pdl off \
+        --build-kwargs '{"unroll": true, "prefill_chunk": 64}' --out "$R/prof-16B-b$b-unrolled.json"
+    done
+    [ -f "$R/prof-16B-b256-unrolled.json" ] || in_tree main python3 scripts/profile_step.py \
+      --config configs/config_16B.json --batch 256 --pdl off --out "$R/prof-16B-b256-scanned.json"
     pack ;;
   *) echo "usage: $0 prep | suite | profiles | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
 esac
