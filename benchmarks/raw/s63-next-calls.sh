@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-62 prepared for the next one (benchmarks/NOTES.md items 75-77), kept here because
+# The device calls sessions 60-63 prepared for the next one (benchmarks/NOTES.md items 75-78), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
-#   here:    bash benchmarks/raw/s62-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s62-next-calls.sh suite | profiles | mla256 | rotary | slots12 | projections
+#   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
+#   device:  bash benchmarks/raw/s63-next-calls.sh suite | profiles | rowsplit | mla256 | rotary | slots12 | projections
 #            (in that order of worth: the suite first on an H200 only)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
@@ -31,7 +31,9 @@ case "${1:-}" in
   prep)
     tree main
     tree rotary benchmarks/raw/s60-rotary-bf16.patch  # rotate_rows' angle spread on bf16 tensor cores, exactly
-    grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py ;;
+    tree rowsplit benchmarks/raw/s63-mla-row-splits.patch  # mla_decode's splits by each row's own length
+    grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
+    grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -44,6 +46,13 @@ case "${1:-}" in
         --prefill-batches '' --tag "$v-$round" --out-dir "$R"
     done; done
     grep "decode b=\|mla_absorb" "$R/log"; pack ;;
+  rowsplit)  # ~450 s: mla_decode splitting each row's own positions (the static window is past every row's end:
+    # 648 here, rows at 512-576), against main: V2-Lite b=8, 32, 256 with generate(), two rounds alternating
+    for round in 1 2; do for v in main rowsplit; do
+      in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 8,32,256 \
+        --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
+    done; done
+    grep "decode b=" "$R/log"; pack ;;
   slots12)  # ~200 s: the V3 cut (gemm fp8) at b=12 (96 slots: "slots" since item 76, unmeasured) and b=8, 16,
     # fused against slots, step only, two rounds
     for round in 1 2; do
@@ -78,5 +87,5 @@ case "${1:-}" in
     [ -f "$R/prof-16B-b256-unrolled.json" ] || in_tree main python3 scripts/profile_step.py \
       --config configs/config_16B.json --batch 256 --pdl off --out "$R/prof-16B-b256-scanned.json"
     pack ;;
-  *) echo "usage: $0 prep | suite | profiles | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | suite | profiles | rowsplit | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
 esac
