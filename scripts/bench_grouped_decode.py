@@ -4,6 +4,9 @@
 
     PYTHONPATH=. python3 scripts/bench_grouped_decode.py --weights bf16 --shape 64,6,1408,2048 --shared-chunks 2
 
+    PYTHONPATH=. python3 scripts/bench_grouped_decode.py --weights bf16 --shape 64,6,1408,2048 --shared-chunks 2 \
+        --layout sorted --batches 256 --block-m 16,32,64
+
 What the model's "slots" path runs at decode (`dsv3_jax/model/moe.py`): `grouped_gemm_swiglu` over each
 token's routed slots plus its rows of the shared experts (`--shared-chunks` experts' worth of hidden units,
 read in place from their own weight), then `grouped_gemm` for the down projection with the routing weights,
@@ -13,7 +16,9 @@ weights run two forms of the product: "fp8" (activations from act_quant on the f
 "fp8") and "dequant" (the weight tiles dequantized to bf16, gemm_impl "bf16"; the "fp8" time includes
 act_quant's launch); bf16 weights the one form "bf16". Each timed call picks other experts (distinct input
 sets, as bench_kernels.py times), so every call streams its experts from HBM; the floor is the bytes of
-the distinct experts read at 4.3 TB/s. Writes grouped-decode-<gpu>.json and .md into --out-dir.
+the distinct experts read at 4.3 TB/s. `--layout sorted` times what moe_impl "fused" runs instead (larger
+batches): the (token, choice) rows sorted by expert, each token's shared rows after them, the launches over
+group sizes, at each `--block-m`. Writes grouped-decode-<weights>[-sorted]-<gpu>.json and .md into --out-dir.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ class Shape:
     dim: int = 7168
     shared_chunks: int = 1  # the shared experts' hidden units, in experts of `inter`
     weights: str = "fp8"  # or "bf16"
+    layout: str = "slots"  # or "sorted"
 
     @property
     def shared_inter(self) -> int:
@@ -76,26 +82,36 @@ def input_set(i: int, batch: int, sh: Shape) -> tuple:
     x = rng.standard_normal((batch, sh.dim)).astype(jnp.bfloat16)
     h = rng.standard_normal((batch * (sh.topk + sh.shared_chunks), sh.inter)).astype(jnp.bfloat16)
     row_weights = rng.uniform(0, 1, batch * sh.topk).astype(np.float32)
+    if sh.layout == "sorted":  # x's rows by expert, then the shared chunks' (chunk-major), as "fused" gathers them
+        order = np.argsort(experts.reshape(-1), kind="stable")
+        tokens = np.concatenate([order // sh.topk, np.tile(np.arange(batch), sh.shared_chunks)])
+        row_weights = np.concatenate([row_weights[order], np.ones(batch * sh.shared_chunks, np.float32)])
+        sizes = np.concatenate([np.bincount(experts.reshape(-1), minlength=sh.experts),
+                                np.full(sh.shared_chunks, batch)]).astype(np.int32)
+        return tuple(jax.device_put(a) for a in (x[tokens], sizes, h, row_weights))
     return tuple(jax.device_put(a) for a in (x, experts, h, row_weights))
 
 
-def kernel(form: str, which: str, w: dict, setting: dict):
-    """fn(x, experts, h, row_weights) running one of the two slot kernels in `form` with `setting`."""
+def kernel(form: str, which: str, w: dict, setting: dict, layout: str = "slots"):
+    """fn(x, experts, h, row_weights) running one of the two kernels in `form` with `setting`; in the sorted
+    layout `experts` holds the group sizes."""
     def run(x, experts, h, row_weights):
         x = x if which == "swiglu" else h
         x, x_scale = act_quant(x) if form == "fp8" else (x, None)
+        groups = dict(group_sizes=experts) if layout == "sorted" else dict(group_sizes=None, slot_experts=experts)
         if which == "swiglu":
-            return grouped_gemm_swiglu(x, w["w1"][0], w["w3"][0], None, w["w1"][1], w["w3"][1], slot_experts=experts,
+            return grouped_gemm_swiglu(x, w["w1"][0], w["w3"][0], w1_scale=w["w1"][1], w3_scale=w["w3"][1], **groups,
                                        shared_w1=w["s1"][0], shared_w3=w["s3"][0], shared_w1_scale=w["s1"][1],
                                        shared_w3_scale=w["s3"][1], x_scale=x_scale, out_dtype=jnp.bfloat16,
                                        **setting)
-        return grouped_gemm(x, w["w2"][0], None, w["w2"][1], slot_experts=experts, row_scale=row_weights,
+        return grouped_gemm(x, w["w2"][0], w_scale=w["w2"][1], **groups, row_scale=row_weights,
                             shared_w=w["s2"][0], shared_w_scale=w["s2"][1], x_scale=x_scale, **setting)
     return run
 
 
-def settings(block_ns, warps, stages) -> list[dict]:
-    return [dict(block_m=16, block_n=n, num_warps=nw, num_stages=st) for n, nw, st in itertools.product(block_ns, warps, stages)]
+def settings(block_ms, block_ns, warps, stages) -> list[dict]:
+    return [dict(block_m=m, block_n=n, num_warps=nw, num_stages=st)
+            for m, n, nw, st in itertools.product(block_ms, block_ns, warps, stages)]
 
 
 def sweep(w: dict, batch: int, grid: list[dict], max_sets: int, sh: Shape) -> list[dict]:
@@ -106,8 +122,8 @@ def sweep(w: dict, batch: int, grid: list[dict], max_sets: int, sh: Shape) -> li
         moved = weights_read * (routed_bytes + sh.shared_inter * sh.dim * itemsize)
         for form, setting in itertools.product(sh.forms, grid):
             try:
-                t = time_op(kernel(form, which, w, setting), lambda i: input_set(i, batch, sh), moved, moved / HBM,
-                            max_sets)
+                t = time_op(kernel(form, which, w, setting, sh.layout), lambda i: input_set(i, batch, sh), moved,
+                            moved / HBM, max_sets)
             except Exception as e:  # a setting the compiler refuses (shared memory, registers)
                 out.append(dict(batch=batch, kernel=which, form=form, **setting, error=str(e).splitlines()[0][:200]))
                 continue
@@ -118,10 +134,10 @@ def sweep(w: dict, batch: int, grid: list[dict], max_sets: int, sh: Shape) -> li
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| batch | kernel | form | block_n | warps | stages | us | floor us | of floor |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| batch | kernel | form | block_m | block_n | warps | stages | us | floor us | of floor |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted((r for r in rows if "us" in r), key=lambda r: (r["batch"], r["kernel"], r["form"], r["us"])):
-        lines.append(f"| {r['batch']} | {r['kernel']} | {r['form']} | {r['block_n']} | {r['num_warps']} | "
+        lines.append(f"| {r['batch']} | {r['kernel']} | {r['form']} | {r['block_m']} | {r['block_n']} | {r['num_warps']} | "
                      f"{r['num_stages']} | {r['us']:.1f} | {r['floor_us']:.1f} | {r['floor_us'] / r['us']:.0%} |")
     return "\n".join(lines) + "\n"
 
@@ -129,6 +145,9 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8")
+    p.add_argument("--layout", choices=("slots", "sorted"), default="slots",
+                   help='the rows as "slots" runs them (a row a slot) or as "fused" does (sorted by expert)')
+    p.add_argument("--block-m", default="16", help="row tiles (the slots layout: the shared rows' tiles)")
     p.add_argument("--block-n", default="16,32,64,128")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="2,3,4,6")
@@ -139,11 +158,12 @@ def main() -> None:
     p.add_argument("--out-dir", default=os.environ.get("OUT", "benchmarks"))
     o = p.parse_args()
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
-    sh = Shape(*(ints(o.shape) if o.shape else ()), shared_chunks=o.shared_chunks, weights=o.weights)
+    sh = Shape(*(ints(o.shape) if o.shape else ()), shared_chunks=o.shared_chunks, weights=o.weights, layout=o.layout)
     w = weights(sh)
-    grid = settings(ints(o.block_n), ints(o.warps), ints(o.stages))
+    grid = settings(ints(o.block_m), ints(o.block_n), ints(o.warps), ints(o.stages))
     rows = [r for b in ints(o.batches) for r in sweep(w, b, grid, o.max_sets, sh)]
-    name = f"grouped-decode-{sh.weights}-" + jax.devices()[0].device_kind.lower().replace("nvidia ", "").replace(" ", "-")
+    layout = "" if sh.layout == "slots" else "-sorted"
+    name = f"grouped-decode-{sh.weights}{layout}-" + jax.devices()[0].device_kind.lower().replace("nvidia ", "").replace(" ", "-")
     out = Path(o.out_dir)
     (out / f"{name}.json").write_text(json.dumps(dict(device=jax.devices()[0].device_kind, rows=rows), indent=1))
     (out / f"{name}.md").write_text(markdown(rows))

@@ -2,7 +2,7 @@
 # The device calls sessions 60-63 prepared for the next one (benchmarks/NOTES.md items 75-78), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s63-next-calls.sh suite | profiles | rowsplit | mla256 | rotary | slots12 | projections
+#   device:  bash benchmarks/raw/s63-next-calls.sh suite | profiles | rowsplit | tiles256 | mla256 | rotary | slots12 | projections
 #            (in that order of worth: the suite first on an H200 only)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
@@ -53,6 +53,12 @@ case "${1:-}" in
         --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
     done; done
     grep "decode b=" "$R/log"; pack ;;
+  tiles256)  # ~350 s: the "fused" launches of V2-Lite b=256 alone (rows sorted by expert, the shared experts'
+    # inside) by tile: main runs 32 x 64, 4 warps, 3 stages; where the step's routed launches sit against their bytes
+    in_tree main python3 scripts/bench_grouped_decode.py --weights bf16 --shape 64,6,1408,2048 --shared-chunks 2 \
+      --layout sorted --batches 256 --block-m 16,32,64 --block-n 32,64,128 --warps 4,8 --stages 2,3,4 --max-sets 4 \
+      --out-dir "$R"
+    pack ;;
   slots12)  # ~200 s: the V3 cut (gemm fp8) at b=12 (96 slots: "slots" since item 76, unmeasured) and b=8, 16,
     # fused against slots, step only, two rounds
     for round in 1 2; do
@@ -87,5 +93,5 @@ case "${1:-}" in
     [ -f "$R/prof-16B-b256-unrolled.json" ] || in_tree main python3 scripts/profile_step.py \
       --config configs/config_16B.json --batch 256 --pdl off --out "$R/prof-16B-b256-scanned.json"
     pack ;;
-  *) echo "usage: $0 prep | suite | profiles | rowsplit | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | suite | profiles | rowsplit | tiles256 | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
 esac
