@@ -22,7 +22,7 @@ tree() {  # NAME [PATCH [PATH...]]: HEAD's code (no assets, tests or docs; PATHs
 in_tree() {  # NAME COMMAND...: run in a variant tree, its output kept in $R/log
   local name=$1; shift
   echo "== $name: $*" | tee -a "$R/log"
-  (cd ".device-data/var-$name" && PYTHONPATH=. timeout 240 "$@" 2>&1 | grep -v Warning | tee -a "$R/log")
+  (cd ".device-data/var-$name" && PYTHONPATH=. timeout "${LIMIT:-240}" "$@" 2>&1 | grep -v Warning | tee -a "$R/log")
 }
 
 pack() { nvidia-smi --query-gpu=name --format=csv,noheader > "$R/gpu.txt"; tar czf "$R/../r.tgz" -C "$R/.." r; }
@@ -55,7 +55,7 @@ case "${1:-}" in
     grep "decode b=" "$R/log"; pack ;;
   tiles256)  # ~350 s: the "fused" launches of V2-Lite b=256 alone (rows sorted by expert, the shared experts'
     # inside) by tile: main runs 32 x 64, 4 warps, 3 stages; where the step's routed launches sit against their bytes
-    in_tree main python3 scripts/bench_grouped_decode.py --weights bf16 --shape 64,6,1408,2048 --shared-chunks 2 \
+    LIMIT=560 in_tree main python3 scripts/bench_grouped_decode.py --weights bf16 --shape 64,6,1408,2048 --shared-chunks 2 \
       --layout sorted --batches 256 --block-m 16,32,64 --block-n 32,64,128 --warps 4,8 --stages 2,3,4 --max-sets 4 \
       --out-dir "$R"
     pack ;;
