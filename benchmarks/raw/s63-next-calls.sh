@@ -46,10 +46,11 @@ case "${1:-}" in
         --prefill-batches '' --tag "$v-$round" --out-dir "$R"
     done; done
     grep "decode b=\|mla_absorb" "$R/log"; pack ;;
-  rowsplit)  # ~450 s: mla_decode splitting each row's own positions (the static window is past every row's end:
-    # 648 here, rows at 512-576), against main: V2-Lite b=8, 32, 256 with generate(), two rounds alternating
+  rowsplit)  # ~350 s: mla_decode splitting each row's own positions (the static window is past every row's end:
+    # 648 here, rows at 512-576), against main: V2-Lite b=32, 256 with generate(), two rounds alternating (b=8's
+    # splits are one block either way)
     for round in 1 2; do for v in main rowsplit; do
-      in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 8,32,256 \
+      in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 32,256 \
         --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
     done; done
     grep "decode b=" "$R/log"; pack ;;
