@@ -2,7 +2,7 @@
 # The device calls sessions 60-63 prepared for the next one (benchmarks/NOTES.md items 75-78), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s63-next-calls.sh suite | profiles | rowsplit | tiles256 | combo | mla256 | rotary | slots12 | projections
+#   device:  bash benchmarks/raw/s63-next-calls.sh suite | profiles | profile256 | rowsplit | tiles256 | combo | mla256 | rotary | slots12 | projections
 #            (in that order of worth: the suite first on an H200 only)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
@@ -70,6 +70,10 @@ case "${1:-}" in
       --shared-chunks 2 --layout sorted --batches 256 --block-m 16,32,64 --block-n 64,128 --warps 4 --stages 2,3 \
       --max-sets 4 --out-dir "$R"
     grep "decode b=" "$R/log"; pack ;;
+  profile256)  # ~200 s, for a call with little time: profiles' b=256 alone
+    in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch 256 --pdl off \
+      --build-kwargs '{"unroll": true, "prefill_chunk": 64}' --out "$R/prof-16B-b256-unrolled.json"
+    pack ;;
   slots12)  # ~200 s: the V3 cut (gemm fp8) at b=12 (96 slots: "slots" since item 76, unmeasured) and b=8, 16,
     # fused against slots, step only, two rounds
     for round in 1 2; do
@@ -104,5 +108,5 @@ case "${1:-}" in
     [ -f "$R/prof-16B-b256-unrolled.json" ] || in_tree main python3 scripts/profile_step.py \
       --config configs/config_16B.json --batch 256 --pdl off --out "$R/prof-16B-b256-scanned.json"
     pack ;;
-  *) echo "usage: $0 prep | suite | profiles | rowsplit | tiles256 | combo | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | suite | profiles | profile256 | rowsplit | tiles256 | combo | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
 esac
