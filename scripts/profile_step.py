@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -24,6 +25,7 @@ import numpy as np
 
 import dsv3_jax
 from dsv3_jax.config import ModelArgs
+from dsv3_jax.decode.step import make_step
 
 SCOPES = ("attn_norm", "ffn_norm", "attention", "gate", "routed_experts", "shared_experts", "mlp", "embed", "head",
           "norm")
@@ -105,6 +107,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dense-layers", type=int, help="with --layers: how many of them are dense")
     p.add_argument("--weights", choices=("bf16", "fp8"), help="weight storage (default: the config's dtype)")
     p.add_argument("--build-kwargs", default="{}", help="JSON of extra dsv3_jax.build keyword arguments")
+    p.add_argument("--step", choices=("scanned", "unrolled"), default="scanned",
+                   help="the step profiled: the model's own (layer scans as the build's options say), or that step "
+                        "with the layer scans unrolled, as generate() decodes; the prompt is prefilled through the "
+                        "model's own either way, as generate() prefills")
     p.add_argument("--hlo-out", default=None, help="write the step's compiled HLO here (gzipped)")
     p.add_argument("--pdl", choices=("on", "off"), default="on",
                    help="XLA's programmatic dependent launch; under it a kernel launched early counts its wait for "
@@ -133,19 +139,21 @@ def main() -> None:
     zeros = np.zeros((o.batch,), np.int32)
     window = dsv3_jax.cache_window(o.context + 16 + o.steps, args.max_seq_len)
     logits = model.forward(prompt)  # in steps of the build's prefill_chunk, as generate() prefills
+    step = model.step if o.step == "scanned" else make_step(
+        model.parts._replace(options=dataclasses.replace(model.parts.options, unroll=True)))
     greedy = jax.jit(lambda l: jnp.argmax(l, -1).astype(jnp.int32)[:, None])
     state = {"logits": logits, "pos": zeros + o.context}
 
     def run(n):
         for _ in range(n):
-            state["logits"], model.cache = model.step(model.state, model.cache, greedy(state["logits"]), state["pos"],
-                                                      zeros, kv_len=window)
+            state["logits"], model.cache = step(model.state, model.cache, greedy(state["logits"]), state["pos"], zeros,
+                                                kv_len=window)
             state["pos"] = state["pos"] + 1
         jax.block_until_ready(state["logits"])
 
     run(5)  # compile and warm up
-    hlo = model.step.lower(model.state, model.cache, greedy(state["logits"]), state["pos"], zeros,
-                           kv_len=window).compile().as_text()
+    hlo = step.lower(model.state, model.cache, greedy(state["logits"]), state["pos"], zeros,
+                     kv_len=window).compile().as_text()
     instruction_scope = scopes_of_instructions(hlo)
     if o.hlo_out:
         with gzip.open(o.hlo_out, "wt") as f:
@@ -171,7 +179,7 @@ def main() -> None:
     n = o.steps
     busy = sum(r["us"] for r in kernels.values())
     result = {"config": o.config, "batch": o.batch, "context": o.context, "build_kwargs": json.loads(o.build_kwargs),
-              "pdl": o.pdl,
+              "step": o.step, "pdl": o.pdl,
               "device": jax.devices()[0].device_kind, "jax": jax.__version__, "wall_ms_per_step": wall * 1e3,
               "gpu_busy_ms_per_step": busy / n / 1e3, "kernels_per_step": sum(r["count"] for r in kernels.values()) / n,
               "by_scope": {k: {"count_per_step": v["count"] / n, "us_per_step": v["us"] / n, "share": v["us"] / busy}

@@ -2,7 +2,8 @@
 # The device calls sessions 60-63 prepared for the next one (benchmarks/NOTES.md items 75-78), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s63-next-calls.sh suite | profiles | profile256 | rowsplit | tiles256 | combo | mla256 | rotary | slots12 | projections
+#   device:  bash benchmarks/raw/s63-next-calls.sh suite | profiles | profile256 | rowsplit | tiles256 | combo |
+#            mla256 | rotary | slots12 | projections
 #            (in that order of worth: the suite first on an H200 only)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
@@ -70,9 +71,9 @@ case "${1:-}" in
       --shared-chunks 2 --layout sorted --batches 256 --block-m 16,32,64 --block-n 64,128 --warps 4 --stages 2,3 \
       --max-sets 4 --out-dir "$R"
     grep "decode b=" "$R/log"; pack ;;
-  profile256)  # ~200 s, for a call with little time: profiles' b=256 alone
-    in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch 256 --pdl off \
-      --build-kwargs '{"unroll": true, "prefill_chunk": 64}' --out "$R/prof-16B-b256-unrolled.json"
+  profile256)  # ~250 s, for a call with little time: profiles' b=256 alone
+    LIMIT=300 in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch 256 --pdl off \
+      --step unrolled --out "$R/prof-16B-b256-unrolled.json"
     pack ;;
   slots12)  # ~200 s: the V3 cut (gemm fp8) at b=12 (96 slots: "slots" since item 76, unmeasured) and b=8, 16,
     # fused against slots, step only, two rounds
@@ -98,15 +99,14 @@ case "${1:-}" in
     in_tree main python3 scripts/sweep_projections.py --config configs/config_16B.json --batches 8,16,32 \
       --projections wq+wkv_a,wo --tilings '[[32,512,4,3],[32,1024,8,3],[64,256,4,3],[16,512,4,3],[32,128,4,3],[16,256,4,4]]'
     pack ;;
-  profiles)  # ~250 s: main's unrolled step (what generate() runs) at b=256, then 128, PDL off: where b=256's ~9 ms
-    # outside the routed launches go now. Item 77's b=256 ran out of memory (18.85 GiB in jit_step), likely in the
-    # prefill (256 x 512 tokens a step, unrolled): here it prefills 64 tokens a row a step; scanned if that fails too
+  profiles)  # ~450 s: main's unrolled step (what generate() runs) at b=256, then 128, PDL off: where b=256's ~9 ms
+    # outside the routed launches go now. The prompt is prefilled through the scanned step (item 77's unrolled b=256
+    # prefill ran out of memory; item 78's, in 64-token chunks, had not finished in 240 s)
     for b in 256 128; do
-      in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch $b --pdl off \
-        --build-kwargs '{"unroll": true, "prefill_chunk": 64}' --out "$R/prof-16B-b$b-unrolled.json"
+      LIMIT=220 in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch $b --pdl off \
+        --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
-    [ -f "$R/prof-16B-b256-unrolled.json" ] || in_tree main python3 scripts/profile_step.py \
-      --config configs/config_16B.json --batch 256 --pdl off --out "$R/prof-16B-b256-scanned.json"
     pack ;;
-  *) echo "usage: $0 prep | suite | profiles | profile256 | rowsplit | tiles256 | combo | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | suite | profiles | profile256 | rowsplit | tiles256 | combo | mla256 | rotary | slots12 |" \
+      "projections" >&2; exit 2 ;;
 esac
