@@ -137,8 +137,9 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| batch | kernel | form | block_m | block_n | warps | stages | us | floor us | of floor |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted((r for r in rows if "us" in r), key=lambda r: (r["batch"], r["kernel"], r["form"], r["us"])):
-        lines.append(f"| {r['batch']} | {r['kernel']} | {r['form']} | {r['block_m']} | {r['block_n']} | {r['num_warps']} | "
-                     f"{r['num_stages']} | {r['us']:.1f} | {r['floor_us']:.1f} | {r['floor_us'] / r['us']:.0%} |")
+        lines.append(f"| {r['batch']} | {r['kernel']} | {r['form']} | {r['block_m']} | {r['block_n']} | "
+                     f"{r['num_warps']} | {r['num_stages']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
+                     f"{r['floor_us'] / r['us']:.0%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -162,8 +163,8 @@ def main() -> None:
     w = weights(sh)
     grid = settings(ints(o.block_m), ints(o.block_n), ints(o.warps), ints(o.stages))
     rows = [r for b in ints(o.batches) for r in sweep(w, b, grid, o.max_sets, sh)]
-    layout = "" if sh.layout == "slots" else "-sorted"
-    name = f"grouped-decode-{sh.weights}{layout}-" + jax.devices()[0].device_kind.lower().replace("nvidia ", "").replace(" ", "-")
+    gpu = jax.devices()[0].device_kind.lower().replace("nvidia ", "").replace(" ", "-")
+    name = f"grouped-decode-{sh.weights}{'' if sh.layout == 'slots' else '-sorted'}-{gpu}"
     out = Path(o.out_dir)
     (out / f"{name}.json").write_text(json.dumps(dict(device=jax.devices()[0].device_kind, rows=rows), indent=1))
     (out / f"{name}.md").write_text(markdown(rows))
