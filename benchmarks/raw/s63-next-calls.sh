@@ -2,8 +2,8 @@
 # The device calls sessions 60-63 prepared for the next one (benchmarks/NOTES.md items 75-78), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s63-next-calls.sh suite | profiles | profile256 | rowsplit | tiles256 | combo |
-#            mla256 | rotary | slots12 | projections
+#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | profiles | profile256 | rowsplit | tiles256 |
+#            combo | mla256 | rotary | slots12 | projections
 #            (in that order of worth: the suite first on an H200 only)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
@@ -38,6 +38,14 @@ case "${1:-}" in
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
+  figures)  # ~300 s, on an H200 after the suite (a warm host loop for generate()): main's figures for issue 21, none
+    # on an H200 since item 72: the V3 cut gemm fp8 b=1, 8, gemm bf16 b=1, V2-Lite b=1, 8 with generate()
+    V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
+    in_tree main $V3 --gemm-impl fp8 --decode-batches 1,8 --prefill-batches '' --tag v3cut-fp8 --out-dir "$R"
+    in_tree main $V3 --gemm-impl bf16 --decode-batches 1 --prefill-batches '' --tag v3cut-bf16 --out-dir "$R"
+    in_tree main python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 1,8 \
+      --prefill-batches '' --tag 16B-main --out-dir "$R"
+    grep "decode b=" "$R/log"; pack ;;
   rotary)  # ~400 s: mla_absorb_query at b=8, 32 per tiling, then the step and generate() at b=1, 8, 32, two rounds
     for v in main rotary; do
       in_tree $v python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 8,32 --kernels query
@@ -107,6 +115,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | suite | profiles | profile256 | rowsplit | tiles256 | combo | mla256 | rotary | slots12 |" \
-      "projections" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | suite | figures | profiles | profile256 | rowsplit | tiles256 | combo | mla256 | rotary |" \
+      "slots12 | projections" >&2; exit 2 ;;
 esac
