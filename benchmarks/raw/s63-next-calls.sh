@@ -38,13 +38,14 @@ case "${1:-}" in
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
-  figures)  # ~300 s, on an H200 after the suite (a warm host loop for generate()): main's figures for issue 21, none
-    # on an H200 since item 72: the V3 cut gemm fp8 b=1, 8, gemm bf16 b=1, V2-Lite b=1, 8 with generate()
+  figures)  # ~300 s, on an H200: main's figures for issue 21 (none on an H200 since item 72): V2-Lite b=1, 8, the
+    # V3 cut gemm fp8 b=1, 8, gemm bf16 b=1, with generate() (V2-Lite first: a fresh machine's first process may
+    # run generate()'s host loop slow, item 72)
+    in_tree main python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 1,8 \
+      --prefill-batches '' --tag 16B-main --out-dir "$R"
     V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
     in_tree main $V3 --gemm-impl fp8 --decode-batches 1,8 --prefill-batches '' --tag v3cut-fp8 --out-dir "$R"
     in_tree main $V3 --gemm-impl bf16 --decode-batches 1 --prefill-batches '' --tag v3cut-bf16 --out-dir "$R"
-    in_tree main python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 1,8 \
-      --prefill-batches '' --tag 16B-main --out-dir "$R"
     grep "decode b=" "$R/log"; pack ;;
   rotary)  # ~400 s: mla_absorb_query at b=8, 32 per tiling, then the step and generate() at b=1, 8, 32, two rounds
     for v in main rotary; do
