@@ -2,8 +2,8 @@
 # The device calls sessions 60-63 prepared for the next one (benchmarks/NOTES.md items 75-78), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | profiles | profile256 | rowsplit | tiles256 |
-#            combo | mla256 | rotary | slots12 | projections
+#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | profiles | profile256 | rowsplit | splits |
+#            tiles256 | combo | mla256 | rotary | slots12 | projections
 #            (in that order of worth: the suite first on an H200 only)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
@@ -33,8 +33,10 @@ case "${1:-}" in
     tree main
     tree rotary benchmarks/raw/s60-rotary-bf16.patch  # rotate_rows' angle spread on bf16 tensor cores, exactly
     tree rowsplit benchmarks/raw/s63-mla-row-splits.patch tests  # mla_decode's splits by each row's own length
+    tree floor benchmarks/raw/s64-mla-splits-floor.patch  # mla_decode's split count within one wave (b=256: 1)
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
-    grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py ;;
+    grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
+    grep -c "num_sms() // programs" .device-data/var-floor/pallas_kernels/mla.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -62,6 +64,14 @@ case "${1:-}" in
     for round in 1 2; do for v in main rowsplit; do
       in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 32,256 \
         --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
+    done; done
+    grep "decode b=" "$R/log"; pack ;;
+  splits)  # ~350 s: mla_decode's split count within one wave (floor, not ceil, of the SMs' program slots over the
+    # rows' programs: V2-Lite b=64 / 128 / 256 4 / 2 / 1 splits against 5 / 3 / 2; a second, partial wave leaves
+    # most SMs idle), against main, step only, two rounds alternating
+    for round in 1 2; do for v in main floor; do
+      LIMIT=150 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 64,128,256 \
+        --prefill-batches '' --no-generate --tag "16B-$v-$round" --out-dir "$R"
     done; done
     grep "decode b=" "$R/log"; pack ;;
   tiles256)  # ~350 s: the "fused" launches of V2-Lite b=256 alone (rows sorted by expert, the shared experts'
@@ -116,6 +126,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | suite | figures | profiles | profile256 | rowsplit | tiles256 | combo | mla256 | rotary |" \
-      "slots12 | projections" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | suite | figures | profiles | profile256 | rowsplit | splits | tiles256 | combo | mla256 |" \
+      "rotary | slots12 | projections" >&2; exit 2 ;;
 esac
