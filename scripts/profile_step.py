@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import glob
 import gzip
 import json
@@ -25,7 +24,7 @@ import numpy as np
 
 import dsv3_jax
 from dsv3_jax.config import ModelArgs
-from dsv3_jax.decode.step import make_step
+from dsv3_jax.decode.step import decode_step_parts, make_step
 
 SCOPES = ("attn_norm", "ffn_norm", "attention", "gate", "routed_experts", "shared_experts", "mlp", "embed", "head",
           "norm")
@@ -108,9 +107,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--weights", choices=("bf16", "fp8"), help="weight storage (default: the config's dtype)")
     p.add_argument("--build-kwargs", default="{}", help="JSON of extra dsv3_jax.build keyword arguments")
     p.add_argument("--step", choices=("scanned", "unrolled"), default="scanned",
-                   help="the step profiled: the model's own (layer scans as the build's options say), or that step "
-                        "with the layer scans unrolled, as generate() decodes; the prompt is prefilled through the "
-                        "model's own either way, as generate() prefills")
+                   help="the step profiled: the model's own (layer scans as the build's options say), or the one "
+                        "generate() decodes with (`decode_step_parts`: layer scans unrolled under decode graphs, on "
+                        "by default on a GPU; without the command buffers, so each kernel is timed); the prompt is "
+                        "prefilled through the model's own either way, as generate() prefills")
     p.add_argument("--hlo-out", default=None, help="write the step's compiled HLO here (gzipped)")
     p.add_argument("--pdl", choices=("on", "off"), default="on",
                    help="XLA's programmatic dependent launch; under it a kernel launched early counts its wait for "
@@ -139,8 +139,7 @@ def main() -> None:
     zeros = np.zeros((o.batch,), np.int32)
     window = dsv3_jax.cache_window(o.context + 16 + o.steps, args.max_seq_len)
     logits = model.forward(prompt)  # in steps of the build's prefill_chunk, as generate() prefills
-    step = model.step if o.step == "scanned" else make_step(
-        model.parts._replace(options=dataclasses.replace(model.parts.options, unroll=True)))
+    step = model.step if o.step == "scanned" else make_step(decode_step_parts(model.parts)[0])
     greedy = jax.jit(lambda l: jnp.argmax(l, -1).astype(jnp.int32)[:, None])
     state = {"logits": logits, "pos": zeros + o.context}
 
