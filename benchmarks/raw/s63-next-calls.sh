@@ -3,7 +3,7 @@
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
 #   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | splits2 | splits2v3 | profile256 | profiles |
-#            rowsplit | tiles256 | mla256 | rotary | slots12 | projections | splits | combo
+#            profv3 | rowsplit | tiles256 | mla256 | rotary | slots12 | projections | splits | combo
 #            (in that order of worth: suite and figures on an H200 only; splits ran in item 79)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
@@ -110,6 +110,14 @@ case "${1:-}" in
     LIMIT=300 in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch 256 --pdl off \
       --step unrolled --out "$R/prof-16B-b256-unrolled.json"
     pack ;;
+  profv3)  # ~150 s: the V3 cut's (gemm fp8) b=1 and b=8 unrolled steps (what generate() runs), PDL off: where the
+    # b=1 step's ~0.9 ms outside the lm head go (item 72's H200 profile was the scanned step, PDL on)
+    for b in 1 8; do
+      LIMIT=140 in_tree main python3 scripts/profile_step.py --config configs/config_671B.json --layers 4 \
+        --dense-layers 1 --weights fp8 --build-kwargs '{"gemm_impl": "fp8"}' --batch $b --pdl off --step unrolled \
+        --out "$R/prof-v3cut-fp8-b$b-unrolled.json"
+    done
+    pack ;;
   slots12)  # ~200 s: the V3 cut (gemm fp8) at b=12 (96 slots: "slots" since item 76, unmeasured) and b=8, 16,
     # fused against slots, step only, two rounds
     for round in 1 2; do
@@ -143,5 +151,5 @@ case "${1:-}" in
     done
     pack ;;
   *) echo "usage: $0 prep | suite | figures | profiles | profile256 | rowsplit | splits | splits2 | splits2v3 |" \
-      "tiles256 | combo | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
+      "profv3 | tiles256 | combo | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
 esac
