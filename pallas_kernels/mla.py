@@ -128,9 +128,11 @@ def mla_decode_splits(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, *, kv_
 
 
 def default_splits(batch: int, heads: int, kv_len: int, block_t: int, block_h: int) -> int:
-    """Split-K count: PROGRAMS_PER_SM programs an SM over the grid, no split shorter than one block."""
+    """Split-K count: as many splits as keep the grid within one wave of PROGRAMS_PER_SM programs an SM (a partial
+    second wave leaves most SMs idle while it runs), but at least two (a row's whole cache in one program streams
+    slower than two halves), and no split shorter than one block."""
     programs = batch * cdiv(heads, block_h)
-    return max(1, min(cdiv(kv_len, block_t), cdiv(PROGRAMS_PER_SM * num_sms(), programs)))
+    return max(1, min(cdiv(kv_len, block_t), max(2, PROGRAMS_PER_SM * num_sms() // programs)))
 
 
 def _kernel(layer_ref, lengths_ref, q_ref, qpe_ref, kv_ref, pe_ref, acc_ref, m_ref, l_ref, *, heads, chunk, block_t,

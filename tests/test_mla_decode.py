@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import mla
 from pallas_kernels.mla import mla_absorb_query, mla_decode, mla_decode_output, mla_decode_splits
 from pallas_kernels.reference import weight_dequant_ref
 
@@ -44,6 +45,23 @@ def check(heads, rank, rope, lengths, kv_len, splits, block_t=32, dtype=jnp.floa
 ])
 def test_mla_decode_interpret(heads, lengths, splits):
     check(heads, 64, 16, lengths, kv_len=224, splits=splits)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32, 64, 128, 132, 256, 1024])
+def test_default_splits_fill_one_wave_with_at_least_two(monkeypatch, batch, sms=132, block_t=64):
+    """The split count keeps the grid within the SMs' program slots (a partial second wave leaves most SMs
+    idle), the most splits that do, but at least two where the window has two blocks, none shorter than a block."""
+    monkeypatch.setattr(mla, "num_sms", lambda: sms)
+    slots = mla.PROGRAMS_PER_SM * sms
+    for heads in (16, 128):
+        programs = batch * -(-heads // 16)
+        for kv_len in (64, 648, 131072):
+            blocks = -(-kv_len // block_t)
+            splits = mla.default_splits(batch, heads, kv_len, block_t, 16)
+            assert min(2, blocks) <= splits <= blocks
+            if splits > 2:
+                assert programs * splits <= slots
+            assert splits in (blocks, min(2, blocks)) or programs * (splits + 1) > slots
 
 
 def absorbed_case(rng, batch, heads, nope, v_dim, rank, rope, lengths, kv_len, dtype):

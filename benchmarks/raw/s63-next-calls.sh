@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-64 prepared for the next one (benchmarks/NOTES.md items 75-79), kept here because
+# The device calls sessions 60-65 prepared for the next one (benchmarks/NOTES.md items 75-80), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | splits2 | splits2v3 | profile256 | profiles |
-#            profv3 | rowsplit | tiles256 | mla256 | rotary | slots12 | projections | splits | combo
-#            (in that order of worth: suite and figures on an H200 only; splits ran in item 79)
+#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | profile256 | profiles |
+#            profv3 | rowsplit | tiles256 | mla256 | rotary | slots12 | projections | combo
+#            (in that order of worth: suite and figures on an H200 only; splits, splits2 and splits2v3 ran in items 79-80)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -33,12 +33,8 @@ case "${1:-}" in
     tree main
     tree rotary benchmarks/raw/s60-rotary-bf16.patch  # rotate_rows' angle spread on bf16 tensor cores, exactly
     tree rowsplit benchmarks/raw/s63-mla-row-splits.patch tests  # mla_decode's splits by each row's own length
-    tree floor benchmarks/raw/s64-mla-splits-floor.patch  # mla_decode's split count within one wave (b=256: 1)
-    tree floor2 benchmarks/raw/s64-mla-splits-floor2.patch  # the same, at least two splits (b=256: 2, as main)
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
-    grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
-    grep -c "num_sms() // programs" .device-data/var-floor/pallas_kernels/mla.py
-    grep -c "max(2, PROGRAMS_PER_SM" .device-data/var-floor2/pallas_kernels/mla.py ;;
+    grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -66,28 +62,6 @@ case "${1:-}" in
     for round in 1 2; do for v in main rowsplit; do
       LIMIT=140 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 256 \
         --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
-    done; done
-    grep "decode b=\|generate b=" "$R/log"; pack ;;
-  splits)  # ~350 s: mla_decode's split count within one wave (floor, not ceil, of the SMs' program slots over the
-    # rows' programs: V2-Lite b=64 / 128 / 256 4 / 2 / 1 splits against 5 / 3 / 2; a second, partial wave leaves
-    # most SMs idle), against main, step only, two rounds alternating
-    for round in 1 2; do for v in main floor; do
-      LIMIT=150 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json \
-        --decode-batches 64,128,256 --prefill-batches '' --no-generate --tag "16B-$v-$round" --out-dir "$R"
-    done; done
-    grep "decode b=" "$R/log"; pack ;;
-  splits2)  # ~380 s: the split count within one wave but at least two (item 79: floor won at b=64, 128 and lost at
-    # 256), against main with generate(): V2-Lite b=32 / 64 / 128 8 / 4 / 2 splits against 9 / 5 / 3, two rounds
-    for round in 1 2; do for v in main floor2; do
-      LIMIT=170 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 32,64,128 \
-        --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
-    done; done
-    grep "decode b=\|generate b=" "$R/log"; pack ;;
-  splits2v3)  # ~250 s: the same on the V3 cut (gemm fp8) at b=8 (4 splits against 5), with generate(), two rounds
-    V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
-    for round in 1 2; do for v in main floor2; do
-      LIMIT=120 in_tree $v $V3 --gemm-impl fp8 --decode-batches 8 --prefill-batches '' --tag "v3cut-$v-$round" \
-        --out-dir "$R"
     done; done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
   tiles256)  # ~350 s: the "fused" launches of V2-Lite b=256 alone (rows sorted by expert, the shared experts'
@@ -150,6 +124,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | suite | figures | profiles | profile256 | rowsplit | splits | splits2 | splits2v3 |" \
+  *) echo "usage: $0 prep | suite | figures | profiles | profile256 | rowsplit |" \
       "profv3 | tiles256 | combo | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
 esac
