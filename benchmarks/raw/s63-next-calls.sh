@@ -3,7 +3,7 @@
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
 #   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | profile256 | profiles |
-#            profv3 | rowsplit | tiles256 | mla256 | rotary | slots12 | projections | combo
+#            profv3 | proj256 | rowsplit | tiles256 | mla256 | rotary | slots12 | projections | combo
 #            (in that order of worth: suite and figures on an H200 only; splits, splits2 and splits2v3 ran in items 79-80)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
@@ -33,8 +33,10 @@ case "${1:-}" in
     tree main
     tree rotary benchmarks/raw/s60-rotary-bf16.patch  # rotate_rows' angle spread on bf16 tensor cores, exactly
     tree rowsplit benchmarks/raw/s63-mla-row-splits.patch tests  # mla_decode's splits by each row's own length
+    tree proj256 benchmarks/raw/s65-proj256.patch  # attention's norm + projections in one launch up to 256 rows
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
-    grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py ;;
+    grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
+    grep -c "MAX_ROWS = 256" .device-data/var-proj256/dsv3_jax/model/layers.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -61,6 +63,14 @@ case "${1:-}" in
     # +0.5 % on the step, b=256's generate() -2.3 % in the one round that finished, its step even)
     for round in 1 2; do for v in main rowsplit; do
       LIMIT=140 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 256 \
+        --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
+    done; done
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
+  proj256)  # ~450 s: norm_project up to 256 rows (attention's norm, wq + wkv_a, and wo: XLA's GEMMs above 32 rows,
+    # ~35 us a layer at b=256 in item 74's profile against ~8 of bytes and FLOPs), V2-Lite b=128, 256 with generate(),
+    # two rounds alternating (item 75: 64 rows even at b=64)
+    for round in 1 2; do for v in main proj256; do
+      LIMIT=140 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 128,256 \
         --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
     done; done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
@@ -125,5 +135,5 @@ case "${1:-}" in
     done
     pack ;;
   *) echo "usage: $0 prep | suite | figures | profiles | profile256 | rowsplit |" \
-      "profv3 | tiles256 | combo | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
+      "profv3 | proj256 | tiles256 | combo | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
 esac
