@@ -1,5 +1,7 @@
 """The MLA decode kernels against float64 numpy attention (interpret mode on a CPU; compiled with -m gpu):
 the attention over the latent cache, and wkv_b's absorption into the query and out of the output."""
+import math
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -54,9 +56,9 @@ def test_default_splits_fill_one_wave_with_at_least_two(monkeypatch, batch, sms=
     monkeypatch.setattr(mla, "num_sms", lambda: sms)
     slots = mla.PROGRAMS_PER_SM * sms
     for heads in (16, 128):
-        programs = batch * -(-heads // 16)
+        programs = batch * math.ceil(heads / 16)
         for kv_len in (64, 648, 131072):
-            blocks = -(-kv_len // block_t)
+            blocks = math.ceil(kv_len / block_t)
             splits = mla.default_splits(batch, heads, kv_len, block_t, 16)
             assert min(2, blocks) <= splits <= blocks
             if splits > 2:
