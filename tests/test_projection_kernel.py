@@ -37,7 +37,9 @@ CASES = [("attn_norm, wq and wkv_a, bf16, 1 row", 1, 2048, (96, 40), jnp.bfloat1
          ("K 704 after a norm, bf16, 6 rows", 6, 704, (48,), jnp.bfloat16, "plain", True),
          # past the model's PROJECTION_KERNEL_MAX_ROWS: 32-row programs, and a 64-row one with 24 rows masked
          ("attn_norm, wq and wkv_a, bf16, 32 rows", 32, 512, (96, 40), jnp.bfloat16, "plain", True),
-         ("no norm, bf16, 40 rows", 40, 256, (64,), jnp.bfloat16, "plain", False)]
+         ("no norm, bf16, 40 rows", 40, 256, (64,), jnp.bfloat16, "plain", False),
+         # three 64-row programs a column tile, the last with 42 rows masked (each program norms its own rows)
+         ("attn_norm, wq and wkv_a, bf16, 150 rows", 150, 512, (96, 40), jnp.bfloat16, "plain", True)]
 
 
 def make_inputs(case, rng):
