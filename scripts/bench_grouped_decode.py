@@ -114,13 +114,14 @@ def settings(block_ms, block_ns, warps, stages) -> list[dict]:
             for m, n, nw, st in itertools.product(block_ms, block_ns, warps, stages)]
 
 
-def sweep(w: dict, batch: int, grid: list[dict], max_sets: int, sh: Shape) -> list[dict]:
+def sweep(w: dict, batch: int, grid: list[dict], max_sets: int, sh: Shape, forms: tuple[str, ...] = ()) -> list[dict]:
+    """Each kernel in each of `forms` (default: every form of the weights) at each setting of `grid`."""
     itemsize = 1 if sh.weights == "fp8" else 2
     routed_bytes = min(batch * sh.topk, sh.experts) * sh.inter * sh.dim * itemsize  # distinct experts, at most
     out = []
     for which, weights_read in (("swiglu", 2), ("down", 1)):
         moved = weights_read * (routed_bytes + sh.shared_inter * sh.dim * itemsize)
-        for form, setting in itertools.product(sh.forms, grid):
+        for form, setting in itertools.product(forms or sh.forms, grid):
             try:
                 t = time_op(kernel(form, which, w, setting, sh.layout), lambda i: input_set(i, batch, sh), moved,
                             moved / HBM, max_sets)
@@ -156,13 +157,17 @@ def main() -> None:
     p.add_argument("--shape", default="", help="experts,topk,inter,dim (default: DeepSeek-V3's 256,8,2048,7168)")
     p.add_argument("--shared-chunks", type=int, default=1, help="the shared experts' hidden units / inter")
     p.add_argument("--weights", choices=("fp8", "bf16"), default="fp8")
+    p.add_argument("--forms", default="", help='fp8 weights\' forms to time: "fp8", "dequant" (default both)')
     p.add_argument("--out-dir", default=os.environ.get("OUT", "benchmarks"))
     o = p.parse_args()
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     sh = Shape(*(ints(o.shape) if o.shape else ()), shared_chunks=o.shared_chunks, weights=o.weights, layout=o.layout)
     w = weights(sh)
     grid = settings(ints(o.block_m), ints(o.block_n), ints(o.warps), ints(o.stages))
-    rows = [r for b in ints(o.batches) for r in sweep(w, b, grid, o.max_sets, sh)]
+    forms = tuple(f for f in o.forms.split(",") if f)
+    if set(forms) - set(sh.forms):
+        p.error(f"--forms {o.forms}: {sh.weights} weights run {', '.join(sh.forms)}")
+    rows = [r for b in ints(o.batches) for r in sweep(w, b, grid, o.max_sets, sh, forms)]
     gpu = jax.devices()[0].device_kind.lower().replace("nvidia ", "").replace(" ", "-")
     name = f"grouped-decode-{sh.weights}{'' if sh.layout == 'slots' else '-sorted'}-{gpu}"
     out = Path(o.out_dir)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-65 prepared for the next one (benchmarks/NOTES.md items 75-80), kept here because
+# The device calls sessions 60-66 prepared for the next one (benchmarks/NOTES.md items 75-81), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | profile256 | profiles |
-#            profv3 | proj256 | rowsplit | tiles256 | mla256 | rotary | slots12 | projections | combo
-#            (in that order of worth: suite and figures on an H200 only; splits, splits2 and splits2v3 ran in items 79-80)
+#   device:  bash benchmarks/raw/s63-next-calls.sh glue | gluesuite | tiles256 | profile256 | v3slots | rowsplit |
+#            profv3 | profiles | rotary | slots12 | projections | combo | suite | figures
+#            (in that order of worth; ROUND=2 glue for glue's second round; suite and figures on an H200 only,
+#            run in item 81; proj256, mla256 and profv3 ran in item 81)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -33,10 +34,10 @@ case "${1:-}" in
     tree main
     tree rotary benchmarks/raw/s60-rotary-bf16.patch  # rotate_rows' angle spread on bf16 tensor cores, exactly
     tree rowsplit benchmarks/raw/s63-mla-row-splits.patch tests  # mla_decode's splits by each row's own length
-    tree proj256 benchmarks/raw/s65-proj256.patch  # attention's norm + projections in one launch up to 256 rows
+    tree glue benchmarks/raw/s66-glue.patch tests  # no zeroed output buffers; the fused rows gathered in the kernel
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
-    grep -c "MAX_ROWS = 256" .device-data/var-proj256/dsv3_jax/model/layers.py ;;
+    grep -c "def _launch_rows" .device-data/var-glue/pallas_kernels/grouped.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -66,14 +67,24 @@ case "${1:-}" in
         --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
     done; done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
-  proj256)  # ~450 s: norm_project up to 256 rows (attention's norm, wq + wkv_a, and wo: XLA's GEMMs above 32 rows,
-    # ~35 us a layer at b=256 in item 74's profile against ~8 of bytes and FLOPs), V2-Lite b=128, 256 with generate(),
-    # two rounds alternating (item 75: 64 rows even at b=64)
-    for round in 1 2; do for v in main proj256; do
-      LIMIT=140 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 128,256 \
-        --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
-    done; done
+  glue)  # ~300 s a round (ROUND=1, then ROUND=2 in the next call): raw/s66-glue.patch against main, V2-Lite b=32
+    # and 256 with generate(): the grouped launches' zeroed output buffers gone (item 81: XLA fills them in two
+    # broadcasts a step, 133 us at b=256 on the H200) and the fused path's rows gathered by the swiglu kernel (the
+    # XLA gather of 2,048 rows, ~6 us a layer at b=256)
+    for v in main glue; do
+      LIMIT=150 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 32,256 \
+        --prefill-batches '' --tag "16B-$v-${ROUND:-1}" --out-dir "$R"
+    done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
+  gluesuite)  # ~330 s on an H200: the fast GPU suite with raw/s66-glue.patch applied (before merging it)
+    patch -s -p1 < benchmarks/raw/s66-glue.patch && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
+    patch -s -R -p1 < benchmarks/raw/s66-glue.patch
+    grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
+  v3slots)  # ~200 s: the V3 cut's b=1 slot launches alone (fp8, gemm fp8) by block_n, warps and stages: in the
+    # step the swiglu launch reads its 264 MB a layer at ~3.0 TB/s, the down launch at ~3.6 (item 81)
+    LIMIT=290 in_tree main python3 scripts/bench_grouped_decode.py --batches 1 --block-n 16,32,64 --warps 2,4,8 \
+      --stages 2,3,4,6 --forms fp8 --max-sets 8 --out-dir "$R"
+    pack ;;
   tiles256)  # ~350 s: the "fused" launches of V2-Lite b=256 alone (rows sorted by expert, the shared experts'
     # inside) by tile: main runs 32 x 64, 4 warps, 3 stages; where the step's routed launches sit against their bytes
     LIMIT=560 in_tree main python3 scripts/bench_grouped_decode.py --weights bf16 --shape 64,6,1408,2048 --shared-chunks 2 \
@@ -90,9 +101,10 @@ case "${1:-}" in
       --shared-chunks 2 --layout sorted --batches 256 --block-m 16,32,64 --block-n 64,128 --warps 4 --stages 2,3 \
       --max-sets 4 --out-dir "$R"
     grep "decode b=" "$R/log"; pack ;;
-  profile256)  # ~250 s, for a call with little time: profiles' b=256 alone
+  profile256)  # ~100 s on an H200: profiles' b=256 alone, every kernel listed, with the compiled HLO (which ops
+    # each fusion holds: the routed scope's 16 XLA launches a layer, 909 us at b=256 in item 81)
     LIMIT=300 in_tree main python3 scripts/profile_step.py --config configs/config_16B.json --batch 256 --pdl off \
-      --step unrolled --out "$R/prof-16B-b256-unrolled.json"
+      --step unrolled --top 400 --hlo-out "$R/hlo-16B-b256-unrolled.txt.gz" --out "$R/prof-16B-b256-unrolled.json"
     pack ;;
   profv3)  # ~150 s: the V3 cut's (gemm fp8) b=1 and b=8 unrolled steps (what generate() runs), PDL off: where the
     # b=1 step's ~0.9 ms outside the lm head go (item 72's H200 profile was the scanned step, PDL on)
