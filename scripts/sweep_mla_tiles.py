@@ -53,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-tiles", type=json.loads, default=OUTPUT_TILES,
                    help="JSON list of the output sweep's tilings, e.g. '[{\"block_v\": 64}]' (default: the built-in "
                         "list)")
+    p.add_argument("--split-output-tiles", type=json.loads, default=[{}],
+                   help="JSON list of the output kernel's tilings in the splits sweep (default: its default tiles)")
     p.add_argument("--split-blocks", default=",".join(map(str, OUTPUT_SPLIT_BLOCKS)),
                    help="the output sweep's cache blocks (block_t of the splits it merges)")
     p.add_argument("--wkv-b", choices=("bf16", "fp8"), default="bf16",
@@ -97,7 +99,8 @@ def launch_us(name: str, per_layer, layers: int, repeats: int, operands: dict) -
 
 def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int, kernels: set[str],
           split_counts: list[int], output_tiles: list[dict] = OUTPUT_TILES, fp8_wkv_b: bool = False,
-          split_blocks: tuple[int, ...] = OUTPUT_SPLIT_BLOCKS, decode_tiles: list[dict] = DECODE_TILES):
+          split_blocks: tuple[int, ...] = OUTPUT_SPLIT_BLOCKS, decode_tiles: list[dict] = DECODE_TILES,
+          split_output_tiles: list[dict] = ({},)):
     """Yield one row a (kernel, tiling) at this batch, or one a split count."""
     window = cache_window(context + 64, args.max_seq_len)
     x = operands(args, layers, batch, window, fp8_wkv_b)
@@ -109,7 +112,7 @@ def sweep(args: ModelArgs, layers: int, batch: int, context: int, repeats: int, 
     if "output" in kernels:
         yield from _output_rows(args, x, row, layers, repeats, output_tiles, split_blocks)
     if "splits" in kernels:
-        yield from _split_rows(args, x, row, layers, repeats, split_counts)
+        yield from _split_rows(args, x, row, layers, repeats, split_counts, split_output_tiles)
 
 
 def _query_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int):
@@ -145,23 +148,29 @@ def _output_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int,
                    us=launch_us("mla_decode_output", run, layers, repeats, dict(x, acc=acc, m=m, l=l)))
 
 
-def _split_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int, split_counts: list[int]):
-    """Per split count: the cache kernel, the merge + output kernel on its splits, and their sum."""
+def _split_rows(args: ModelArgs, x: dict, row: dict, layers: int, repeats: int, split_counts: list[int],
+                output_tiles: list[dict] = ({},)):
+    """Per split count: the cache kernel, the merge + output kernel on its splits at each of `output_tiles`, and
+    their sum."""
     window, scale = row["window"], args.qk_head_dim ** -0.5
     chosen = default_splits(row["batch"], args.n_heads, window, 64, 16)
     for splits in split_counts:
         decode = lambda layer, x, s=splits: mla_decode_splits(  # noqa: E731
             x["q_latent"], x["q_pe"], x["kv"], x["pe"], layer, x["lengths"], kv_len=window, scale=scale, splits=s)
         acc, m, l = decode(0, x)
-        output = lambda layer, x: mla_decode_output(  # noqa: E731
-            x["acc"], x["m"], x["l"], x["q_latent"], x["q_pe"], x["new_kv"], x["new_pe"], x["wkv_b"], layer,
-            scale=scale, v_dim=args.v_head_dim, wkv_b_scale=x["wkv_b_scale"])
-        times = dict(decode=launch_us("mla_decode", decode, layers, repeats, x),
-                     output=launch_us("mla_decode_output", output, layers, repeats, dict(x, acc=acc, m=m, l=l)))
-        total = sum(times.values()) if all(isinstance(t, float) for t in times.values()) else "; ".join(
-            str(t) for t in times.values() if not isinstance(t, float))
-        for kernel, us in (*times.items(), ("decode+output", total)):
-            yield dict(row, kernel=kernel, tiles=dict(default=splits == chosen), splits=splits, us=us)
+        decode_us = launch_us("mla_decode", decode, layers, repeats, x)
+        yield dict(row, kernel="decode", tiles=dict(default=splits == chosen), splits=splits, us=decode_us)
+        for tiles in output_tiles:
+            output = lambda layer, x, t=tiles: mla_decode_output(  # noqa: E731
+                x["acc"], x["m"], x["l"], x["q_latent"], x["q_pe"], x["new_kv"], x["new_pe"], x["wkv_b"], layer,
+                scale=scale, v_dim=args.v_head_dim, wkv_b_scale=x["wkv_b_scale"], **t)
+            output_us = launch_us("mla_decode_output", output, layers, repeats, dict(x, acc=acc, m=m, l=l))
+            times = (decode_us, output_us)
+            total = sum(times) if all(isinstance(t, float) for t in times) else "; ".join(
+                str(t) for t in times if not isinstance(t, float))
+            label = dict(default=splits == chosen, **tiles)
+            yield dict(row, kernel="output", tiles=label, splits=splits, us=output_us)
+            yield dict(row, kernel="decode+output", tiles=label, splits=splits, us=total)
 
 
 def main() -> None:
@@ -174,7 +183,7 @@ def main() -> None:
     for batch in batches:
         for row in sweep(args, layers, batch, o.context, o.repeats, set(o.kernels.split(",")),
                          [int(s) for s in o.splits.split(",")], o.output_tiles, o.wkv_b == "fp8",
-                         tuple(int(b) for b in o.split_blocks.split(",")), o.decode_tiles):
+                         tuple(int(b) for b in o.split_blocks.split(",")), o.decode_tiles, o.split_output_tiles):
             rows.append(row)
             print(row_line(row), flush=True)
     if o.out:

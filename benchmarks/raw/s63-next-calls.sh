@@ -2,8 +2,8 @@
 # The device calls sessions 60-66 prepared for the next one (benchmarks/NOTES.md items 75-81), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s63-next-calls.sh glue | gluesuite | tiles256 | profile256 | v3slots | rowsplit |
-#            profv3 | profiles | rotary | slots12 | projections | combo | suite | figures
+#   device:  bash benchmarks/raw/s63-next-calls.sh glue | gluesuite | tiles256 | profile256 | mlasplits | v3slots |
+#            rowsplit | profv3 | profiles | rotary | slots12 | projections | combo | suite | figures
 #            (in that order of worth; ROUND=2 glue for glue's second round; suite and figures on an H200 only,
 #            run in item 81; proj256, mla256 and profv3 ran in item 81)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
@@ -80,6 +80,11 @@ case "${1:-}" in
     patch -s -p1 < benchmarks/raw/s66-glue.patch && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     patch -s -R -p1 < benchmarks/raw/s66-glue.patch
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
+  mlasplits)  # ~100 s on an H200: mla_decode's split count at b=128, 256 with the output launch at its default V
+    # tiles and 128 wide (item 81: 4 splits 57.6 against 67.0 us alone at b=256, the 64-wide output's merge ate it)
+    in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 128,256 \
+      --kernels splits --splits 2,3,4,8 --split-output-tiles '[{}, {"block_v": 128}]'
+    pack ;;
   v3slots)  # ~200 s: the V3 cut's b=1 slot launches alone (fp8, gemm fp8) by block_n, warps and stages: in the
     # step the swiglu launch reads its 264 MB a layer at ~3.0 TB/s, the down launch at ~3.6 (item 81)
     LIMIT=290 in_tree main python3 scripts/bench_grouped_decode.py --batches 1 --block-n 16,32,64 --warps 2,4,8 \
@@ -146,6 +151,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | suite | figures | profiles | profile256 | rowsplit |" \
-      "profv3 | proj256 | tiles256 | combo | mla256 | rotary | slots12 | projections" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | glue | gluesuite | tiles256 | profile256 | mlasplits | v3slots | rowsplit | profv3 |" \
+      "profiles | rotary | slots12 | projections | combo | mla256 | suite | figures" >&2; exit 2 ;;
 esac
