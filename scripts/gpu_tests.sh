@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test suite in parallel on one GPU: one pytest process per test file that holds GPU tests,
 # the files in SPLIT as several processes of an equal share of the file's tests each (DSV3_TEST_SHARD),
-# JOBS (default 10) at a time, those first. Compiling is most of the suite's time and each process
+# JOBS (default 12) at a time, those first. Compiling is most of the suite's time and each process
 # compiles on its own cores, so the processes overlap; the GPU is shared (no preallocation).
 #
 #   scripts/gpu_tests.sh                 # the fast GPU suite (pytest -m gpu)
@@ -18,7 +18,7 @@ args=("$@")
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 # the files whose GPU tests take minutes in one process (each builds and compiles several models), each with
 # its process count
-SPLIT=(tests/test_layer_mix_gpu.py:3 tests/test_auto_paths_gpu.py:5 tests/test_grouped_gemm.py:2)
+SPLIT=(tests/test_layer_mix_gpu.py:3 tests/test_auto_paths_gpu.py:5 tests/test_grouped_gemm.py:3)
 
 run_one() {  # a test file and its shard ("i/n", or "" for the whole file)
   local name
@@ -31,13 +31,13 @@ run_one() {  # a test file and its shard ("i/n", or "" for the whole file)
 start=$(date +%s)
 for entry in "${SPLIT[@]}"; do
   for ((shard = 0; shard < ${entry#*:}; shard++)); do
-    while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-10}" ]; do wait -n; done
+    while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-12}" ]; do wait -n; done
     run_one "${entry%:*}" "$shard/${entry#*:}" &
   done
 done
 for file in $(grep -l "pytest.mark.gpu" tests/test_*.py | xargs ls -S); do
   [[ " ${SPLIT[*]} " == *" $file:"* ]] && continue
-  while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-10}" ]; do wait -n; done
+  while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-12}" ]; do wait -n; done
   run_one "$file" "" &
 done
 wait

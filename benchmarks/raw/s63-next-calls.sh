@@ -67,13 +67,17 @@ case "${1:-}" in
         --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
     done; done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
-  glue)  # ~300 s a round (ROUND=1, then ROUND=2 in the next call): raw/s66-glue.patch against main, V2-Lite b=32
-    # and 256 with generate(): the grouped launches' zeroed output buffers gone (item 81: XLA fills them in two
-    # broadcasts a step, 133 us at b=256 on the H200) and the fused path's rows gathered by the swiglu kernel (the
-    # XLA gather of 2,048 rows, ~6 us a layer at b=256)
+  glue)  # ~450 s a round (ROUND=1, then ROUND=2 in the next call): raw/s66-glue.patch against main, V2-Lite b=32
+    # and 256 with generate(), the V3 cut (gemm fp8) b=16 step ("fused", fp8 activations): the grouped launches'
+    # zeroed output buffers gone (item 81: XLA fills them in two broadcasts a step, 133 us at b=256 on the H200),
+    # the fused path's rows gathered by the swiglu kernel (the XLA gather of 2,048 rows, ~6 us a layer at b=256)
+    # and each program's tile found from the group sizes (no schedule table from XLA)
     for v in main glue; do
       LIMIT=150 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 32,256 \
         --prefill-batches '' --tag "16B-$v-${ROUND:-1}" --out-dir "$R"
+      LIMIT=70 in_tree $v python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 \
+        --weights fp8 --gemm-impl fp8 --decode-batches 16 --prefill-batches '' --no-generate \
+        --tag "v3cut-$v-${ROUND:-1}" --out-dir "$R"
     done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
   gluesuite)  # ~330 s on an H200: the fast GPU suite with raw/s66-glue.patch applied (before merging it)
