@@ -3,7 +3,7 @@
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
 #   device:  bash benchmarks/raw/s63-next-calls.sh glue | gluesuite | tiles256 | profile256 | mlasplits | v3slots |
-#            rowsplit | profv3 | profiles | rotary | slots12 | projections | combo | suite | figures
+#            v3query | rowsplit | profv3 | profiles | rotary | slots12 | projections | combo | suite | figures
 #            (in that order of worth; ROUND=2 glue for glue's second round; suite and figures on an H200 only,
 #            run in item 81; proj256, mla256 and profv3 ran in item 81)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
@@ -89,6 +89,11 @@ case "${1:-}" in
     in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 128,256 \
       --kernels splits --splits 2,3,4,8 --split-output-tiles '[{}, {"block_v": 128}]'
     pack ;;
+  v3query)  # ~80 s: mla_absorb_query at the V3 cut's b=1 and 8 with its fp8 wkv_b by block_c and warps (item 81:
+    # 7.8 us a layer in the b=1 step against ~2 of wkv_b's key half; item 57's sweep was V2-Lite's bf16 only)
+    in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_671B.json --layers 8 --batches 1,8 \
+      --kernels query --wkv-b fp8
+    pack ;;
   v3slots)  # ~200 s: the V3 cut's b=1 slot launches alone (fp8, gemm fp8) by block_n, warps and stages: in the
     # step the swiglu launch reads its 264 MB a layer at ~3.0 TB/s, the down launch at ~3.6 (item 81)
     LIMIT=290 in_tree main python3 scripts/bench_grouped_decode.py --batches 1 --block-n 16,32,64 --warps 2,4,8 \
@@ -156,5 +161,5 @@ case "${1:-}" in
     done
     pack ;;
   *) echo "usage: $0 prep | glue | gluesuite | tiles256 | profile256 | mlasplits | v3slots | rowsplit | profv3 |" \
-      "profiles | rotary | slots12 | projections | combo | mla256 | suite | figures" >&2; exit 2 ;;
+      "v3query | profiles | rotary | slots12 | projections | combo | mla256 | suite | figures" >&2; exit 2 ;;
 esac
