@@ -46,7 +46,7 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
                  num_warps: int = 4, num_stages: int = 3, backend: str = "auto",
                  mosaic_tiles: MosaicTiles | None = None, shared_w: jax.Array | None = None,
                  shared_w_scale: jax.Array | None = None, x_scale: jax.Array | None = None,
-                 slot_experts: jax.Array | None = None, expert_offset=0) -> jax.Array:
+                 slot_experts: jax.Array | None = None, expert_offset=0, x_rows: jax.Array | None = None) -> jax.Array:
     """Rows of x (M, K), sorted by group, times their group's w (G, N, K) transposed -> (M, N).
 
     The groups of the rows come either as `group_sizes` (rows sorted by group) or as `row_groups`
@@ -89,19 +89,23 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
         ids naming no group come out zero. The rows of x and of the output are the T k slots token-major,
         then with `shared_w` each shared chunk's T rows; row_scale (T k,) weighs the routed slots only.
         Each program finds its rows from the ids: no schedule, sort or padded copy is computed.
+      x_rows: optional int32 (M,) with group_sizes: the sorted rows are x[x_rows] (x (T, K), any T; x_scale (T,
+        K/128)), gathered by the Triton kernel as it loads its tiles instead of from a gathered copy of x (the
+        wgmma kernel takes such a copy).
     """
-    groups = _groups(_FN, group_sizes, row_groups, slot_experts, expert_offset)
+    groups = _groups(_FN, group_sizes, row_groups, slot_experts, expert_offset, x_rows)
     if shared_w is not None:
         return _grouped(_FN, x, (w,), (w_scale,), groups, layer, row_scale, False, out_dtype, block_m, block_n,
-                        num_warps, num_stages, shared=_Shared("k", (shared_w,), (shared_w_scale,)), x_scale=x_scale)
+                        num_warps, num_stages, shared=_Shared("k", (shared_w,), (shared_w_scale,)), x_scale=x_scale,
+                        x_rows=x_rows)
     tiles = MosaicTiles() if mosaic_tiles is None else mosaic_tiles
-    if grouped_gemm_backend(x, w, w_scale, out_dtype=out_dtype, backend=backend, mosaic_tiles=tiles,
-                            row_groups=row_groups if slot_experts is None else slot_experts,
+    if grouped_gemm_backend(_launch_rows(x, x_rows), w, w_scale, out_dtype=out_dtype, backend=backend,
+                            mosaic_tiles=tiles, row_groups=row_groups if slot_experts is None else slot_experts,
                             x_scale=x_scale) == "mosaic":
-        return grouped_gemm_mgpu(x, w, group_sizes, w_scale, layer=layer, row_scale=row_scale, out_dtype=out_dtype,
+        return grouped_gemm_mgpu(_gathered(x, x_rows), w, group_sizes, w_scale, layer=layer, row_scale=row_scale, out_dtype=out_dtype,
                                  tiles=tiles)
     return _grouped(_FN, x, (w,), (w_scale,), groups, layer, row_scale, False, out_dtype,
-                    block_m, block_n, num_warps, num_stages, x_scale=x_scale)
+                    block_m, block_n, num_warps, num_stages, x_scale=x_scale, x_rows=x_rows)
 
 
 BACKENDS = ("auto", "triton", "mosaic")
@@ -146,7 +150,8 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
                         shared_w1: jax.Array | None = None, shared_w3: jax.Array | None = None,
                         shared_w1_scale: jax.Array | None = None, shared_w3_scale: jax.Array | None = None,
                         x_scale: jax.Array | None = None, slot_experts: jax.Array | None = None,
-                        expert_offset=0, backend: str = "auto", mosaic_tiles: MosaicTiles | None = None) -> jax.Array:
+                        expert_offset=0, backend: str = "auto", mosaic_tiles: MosaicTiles | None = None,
+                        x_rows: jax.Array | None = None) -> jax.Array:
     """The gated hidden state of routed experts in one launch: h = silu(x W1_g^T) * (x W3_g^T).
 
     Same rows, groups (`group_sizes` or `row_groups`), weight forms (bf16 or fp8 + 128x128 scales,
@@ -163,6 +168,8 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
     slot_experts (T, k), expert_offset: as `grouped_gemm`'s, with x (T, K) one row a token: the output's
     rows are the T k routed slots token-major, then each shared chunk's T rows (the down projection's x).
 
+    x_rows (M,) with group_sizes: as `grouped_gemm`'s, the sorted rows gathered from x (T, K) by the kernel.
+
     backend, mosaic_tiles: as `grouped_gemm`'s (`grouped_gemm_backend` with swiglu=True): prefill-sized steps of
     bf16 weights without shared experts run `grouped_mgpu.grouped_swiglu_mgpu` on sm_90 (default tiles
     `SWIGLU_TILES`).
@@ -177,18 +184,28 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
         shared = _Shared("n", (shared_w1, shared_w3), (shared_w1_scale, shared_w3_scale))
     default_out = jnp.bfloat16 if x_scale is not None else x.dtype
     out_dtype = default_out if out_dtype is None else out_dtype
-    groups = _groups(_SWIGLU, group_sizes, row_groups, slot_experts, expert_offset)
+    groups = _groups(_SWIGLU, group_sizes, row_groups, slot_experts, expert_offset, x_rows)
     tiles = SWIGLU_TILES if mosaic_tiles is None else mosaic_tiles
-    if grouped_gemm_backend(x, w1, w1_scale, out_dtype=out_dtype, backend=backend, mosaic_tiles=tiles,
-                            row_groups=row_groups if slot_experts is None else slot_experts, x_scale=x_scale,
-                            swiglu=True, shared=shared is not None) == "mosaic":
-        return grouped_swiglu_mgpu(x, w1, w3, group_sizes, layer=layer, out_dtype=out_dtype, tiles=tiles)
+    if grouped_gemm_backend(_launch_rows(x, x_rows), w1, w1_scale, out_dtype=out_dtype, backend=backend,
+                            mosaic_tiles=tiles, row_groups=row_groups if slot_experts is None else slot_experts,
+                            x_scale=x_scale, swiglu=True, shared=shared is not None) == "mosaic":
+        return grouped_swiglu_mgpu(_gathered(x, x_rows), w1, w3, group_sizes, layer=layer, out_dtype=out_dtype, tiles=tiles)
     return _grouped(_SWIGLU, x, (w1, w3), (w1_scale, w3_scale), groups, layer,
                     None, True, out_dtype, block_m, block_n, num_warps,
-                    num_stages, shared=shared, x_scale=x_scale)
+                    num_stages, shared=shared, x_scale=x_scale, x_rows=x_rows)
 
 
 _SWIGLU = "grouped_gemm_swiglu"
+
+
+def _launch_rows(x, x_rows):
+    """The rows a launch multiplies, as `grouped_gemm_backend` weighs them: x, or x[x_rows]'s shape."""
+    return x if x_rows is None else jax.ShapeDtypeStruct((x_rows.shape[0], *x.shape[1:]), x.dtype)
+
+
+def _gathered(x, x_rows):
+    """x[x_rows] as a copy, for the wgmma kernel, whose TMA loads read contiguous rows."""
+    return x if x_rows is None else jnp.take(x, x_rows, axis=0)
 
 
 class _Shared(NamedTuple):
@@ -237,13 +254,18 @@ class _Slots(NamedTuple):
     offset: jax.Array
 
 
-def _groups(fn: str, group_sizes, row_groups, slot_experts=None, expert_offset=0) -> tuple[str, object]:
-    """("sizes", group_sizes), ("rows", row_groups) or ("slots", _Slots): exactly one form of the groups."""
+def _groups(fn: str, group_sizes, row_groups, slot_experts=None, expert_offset=0, x_rows=None) -> tuple[str, object]:
+    """("sizes", group_sizes), ("rows", row_groups) or ("slots", _Slots): exactly one form of the groups (x_rows
+    only with group_sizes)."""
     given = [name for name, value in (("group_sizes", group_sizes), ("row_groups", row_groups),
                                       ("slot_experts", slot_experts)) if value is not None]
     if len(given) != 1:
         fail(fn, "give the rows' groups as one of group_sizes (rows sorted by group), row_groups or slot_experts; "
                  f"got {' and '.join(given) or 'none'}")
+    if x_rows is not None and (group_sizes is None or x_rows.ndim != 1
+                               or not jnp.issubdtype(x_rows.dtype, jnp.integer)):
+        fail(fn, f"x_rows goes with group_sizes, an integer vector (M,); got {x_rows.dtype} {tuple(x_rows.shape)} "
+                 f"with {given[0]}")
     if slot_experts is not None:
         if slot_experts.ndim != 2 or not jnp.issubdtype(slot_experts.dtype, jnp.integer):
             fail(fn, f"slot_experts must be integer (T, k), got {slot_experts.dtype} {tuple(slot_experts.shape)}")
@@ -278,9 +300,10 @@ def _slot_rows(layout: _SlotLayout, slots: _Slots, n_groups: int, x, x_scale, ro
 
 
 def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, block_m, block_n,
-             num_warps, num_stages, shared: _Shared | None = None, x_scale=None):
+             num_warps, num_stages, shared: _Shared | None = None, x_scale=None, x_rows=None):
     """The shared wrapper: checks, the XLA fallback, the tile schedule and one pallas_call over
-    weights `ws` (one for a plain GEMM, w1 and w3 for swiglu), and the `shared` chunks' groups after them."""
+    weights `ws` (one for a plain GEMM, w1 and w3 for swiglu), and the `shared` chunks' groups after them;
+    with `x_rows` the rows x[x_rows], gathered by the kernel."""
     stacked = layer is not None
     w, w_scale = ws[0], scales[0]
     if stacked != (w.ndim == 4):
@@ -288,9 +311,10 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
     form, group_data = groups
     ids = group_data.experts.reshape(-1) if form == "slots" else group_data
-    group_operands = (ids, group_data.offset) if form == "slots" else (ids,)
+    group_operands = (ids, group_data.offset) if form == "slots" else (ids,) if x_rows is None else (ids, x_rows)
     m, k = _check(fn, x, w[0] if stacked else w, (form, ids), None if w_scale is None else
                   (w_scale[0] if stacked else w_scale), block_m, block_n, x_scale)
+    m = m if x_rows is None else x_rows.shape[0]
     if form != "slots" and row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != jnp.float32):
         fail(fn, f"row_scale has shape {tuple(row_scale.shape)} {row_scale.dtype}, expected float32 ({m},)")
     n, n_groups, fp8 = w.shape[-2], w.shape[-3], w_scale is not None
@@ -303,6 +327,8 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     if m == 0 or n == 0 or interpret_in_shard_map(interpret, x, *ws, *group_operands):
         if slots is not None:
             groups, x, x_scale, row_scale = _slot_rows(slots, group_data, n_groups, x, x_scale, row_scale)
+        if x_rows is not None:
+            x, x_scale = (None if a is None else jnp.take(a, x_rows, axis=0) for a in (x, x_scale))
         return _twin(x, ws, scales, groups, layer if stacked else None, row_scale, swiglu, out_dtype, shared,
                      n_shared, x_scale)
     shared_ws, shared_scales = ((), ()) if shared is None else (shared.weights, shared.scales)
@@ -318,8 +344,7 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     if slots is not None:
         # no schedule and no padded copies: each program finds its rows from the ids, loads masked
         table = [layer.reshape(1), group_data.offset.reshape(1), ids.astype(jnp.int32)]
-        return launch(x, x_scale, weights, row_scale, table, slots.rows,
-                      slots.rows, pad=0, every_row_a_tile=True, slots=slots)
+        return launch(x, x_scale, weights, row_scale, table, slots.rows, slots.rows, pad=0, slots=slots)
     if form == "sizes":
         schedule, max_tiles = tile_schedule(group_data.astype(jnp.int32), m, block_m, layer)
     else:
@@ -330,8 +355,7 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     # last row, as masked loads past the end of the refs measured slower in prefill (benchmarks/NOTES.md), while a
     # decode-sized launch reads masked rather than wait on XLA's padded copies of x, its scales and row_scale
     pad = block_m if m > MOSAIC_MIN_ROWS else 0
-    return launch(x, x_scale, weights, row_scale, [schedule], m, max_tiles, pad=pad,
-                  every_row_a_tile=form == "rows")[:m]
+    return launch(x, x_scale, weights, row_scale, [schedule], m, max_tiles, pad=pad, x_rows=x_rows)[:m]
 
 
 class _Launch(NamedTuple):
@@ -350,16 +374,18 @@ class _Launch(NamedTuple):
     vma: frozenset
 
     def __call__(self, x, x_scale, weights, row_scale, table: list, m: int, programs: int, *, pad: int,
-                 every_row_a_tile: bool, slots: _SlotLayout | None = None):
-        """Output (m + pad, N) over `programs` row programs; `table` the schedule operands; x, x_scale and
-        row_scale padded by `pad` rows (their slack). With `every_row_a_tile` (row_groups, slots) every
-        row is in a tile (its own, or its shared run's), which stores zeros if the row names no group;
-        sorted rows past the groups belong to no tile, so that output starts as a zeroed buffer."""
+                 slots: _SlotLayout | None = None, x_rows=None):
+        """Output (m + pad, N) over `programs` row programs; `table` the schedule operands; x, x_scale (or, with
+        `x_rows`, the rows' indices into them) and row_scale padded by `pad` rows (their slack, whose output rows
+        are left unwritten). Every output row below m is in one program's tile (its group's, its shared run's, or
+        past the groups), which stores zeros where the tile does not exist: the output needs no zeroed buffer."""
         n_weights = 2 if self.swiglu else 1
         w, k, n, vma = weights[0], x.shape[1], weights[0].shape[-2], self.vma
         padded = (lambda a: a) if not pad else (  # noqa: E731
             lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)))
-        operands = (table + [padded(x)] + ([] if x_scale is None else [padded(x_scale)]) + weights
+        by_row = padded if x_rows is None else (lambda a: a)  # noqa: E731 (gathered: x keeps its own rows)
+        operands = (table + ([] if x_rows is None else [padded(x_rows.astype(jnp.int32))]) + [by_row(x)]
+                    + ([] if x_scale is None else [by_row(x_scale)]) + weights
                     + ([] if row_scale is None else [padded(row_scale)]))
         operands = match_vma(vma, *operands)
         # Triton keeps num_stages copies of a K step's tiles in shared memory: with two weights and tall
@@ -370,18 +396,16 @@ class _Launch(NamedTuple):
         num_stages = max(1, min(self.num_stages, SHARED_MEMORY_BYTES // stage_bytes))
         kernel = functools.partial(_kernel, n=n, k=k, block_m=self.block_m, block_n=self.block_n,
                                    fp8=self.fp8, n_weights=n_weights, row_scale=row_scale is not None, swiglu=self.swiglu,
-                                   zero_missing=every_row_a_tile, n_groups=self.n_groups, shared_axis=self.shared_axis,
-                                   x_scaled=x_scale is not None, slots=slots)
-        extra = [] if every_row_a_tile else match_vma(vma, jnp.zeros((m + pad, n), self.out_dtype))
+                                   n_groups=self.n_groups, shared_axis=self.shared_axis,
+                                   x_scaled=x_scale is not None, x_gathered=x_rows is not None, slots=slots)
         return pl.pallas_call(
             kernel,
             out_shape=result((m + pad, n), self.out_dtype, vma),
             grid=(programs, cdiv(n, self.block_n)),
-            input_output_aliases={} if every_row_a_tile else {len(operands): 0},
             compiler_params=plgpu.CompilerParams(num_warps=self.num_warps, num_stages=num_stages),
             interpret=self.interpret,
             name=self.fn,
-        )(*operands, *extra)
+        )(*operands)
 
 
 def _twin(x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, shared: _Shared | None, n_shared: int,
@@ -406,10 +430,12 @@ def _twin(x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, shared: _S
 
 
 def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tuple[jax.Array, int]:
-    """int32 (5, T): per tile its group, first row, the group's end row, 1 if the tile exists, and
-    the weight stack's layer.
+    """int32 (5, T): per tile its group, first row, end row, 1 if the tile exists (0: its rows are zeroed), and
+    the weight stack's layer. The group tiles' end is their group's; the tiles past them zero the rows past the
+    groups' sum, block_m rows each up to M, so no launch needs a zeroed output buffer.
 
-    T = ceil(M / block_m) + min(G, M) bounds the tiles of any split of M rows into G groups.
+    T = ceil(M / block_m) + min(G, M) bounds the tiles of any split of M rows into G groups, and leaves at
+    least ceil((M - sum) / block_m) tiles past them.
     """
     groups = group_sizes.shape[0]
     max_tiles = cdiv(m, block_m) + min(groups, m)
@@ -422,10 +448,11 @@ def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tupl
     # iteration on a GPU) that would run inside every MoE layer
     group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right", method="compare_all"), groups - 1).astype(jnp.int32)
     first_tile = tile_ends[group] - tiles[group]
-    row = starts[group] + (t - first_tile) * block_m
-    exists = (t < tile_ends[-1]).astype(jnp.int32)
+    exists = t < tile_ends[-1]
+    row = jnp.where(exists, starts[group] + (t - first_tile) * block_m, ends[-1] + (t - tile_ends[-1]) * block_m)
+    end = jnp.where(exists, ends[group], m)
     layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (max_tiles,))
-    return jnp.stack([group, row, ends[group], exists, layers]).astype(jnp.int32), max_tiles
+    return jnp.stack([group, row, end, exists.astype(jnp.int32), layers]).astype(jnp.int32), max_tiles
 
 
 # schedule code of a row that another row's tile covers: its program does nothing
@@ -458,7 +485,7 @@ def row_schedule(row_groups: jax.Array, groups: int, layer=0, merge_from: int | 
 
 
 class _Tile(NamedTuple):
-    """What a program computes: `exists` 1 (its tile), 0 (zeros over its rows, with zero_missing) or COVERED
+    """What a program computes: `exists` 1 (its tile), 0 (zeros over its rows) or COVERED
     (nothing); the group and weight layer; output rows [row, end), read from x's rows [x_row, x_row + end - row)."""
     exists: jax.Array
     group: jax.Array
@@ -510,17 +537,17 @@ def _slot_tile(layer_ref, offset_ref, ids_ref, tile, *, slots: _SlotLayout, n_gr
                  layer_ref[0], tile, jnp.where(routed, tile + 1, end), x_row)
 
 
-def _kernel(*refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, zero_missing, n_groups, shared_axis,
-            x_scaled, slots: _SlotLayout | None = None):
+def _kernel(*refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, n_groups, shared_axis,
+            x_scaled, x_gathered=False, slots: _SlotLayout | None = None):
     """One (row tile, column tile) program. refs: the schedule table (or, with `slots`, the layer, the
-    expert offset and the expert ids), x, x's scales (if `x_scaled`), the weights (n_weights), the shared chunks' wide weights
+    expert offset and the expert ids), the rows' indices into x (if `x_gathered`), x, x's scales (if `x_scaled`), the weights (n_weights), the shared chunks' wide weights
     (n_weights, if `shared_axis`), the scales of both (if fp8), row_scale (if given; with `slots` the routed
-    rows' only), the zeroed output buffer (aliased to the output; not with zero_missing, where a tile that
-    does not exist stores zeros over its rows), then the output."""
+    rows' only), then the output, where a tile that does not exist stores zeros over its rows."""
     tile, j = launch_dependents(pl.program_id(0)), pl.program_id(1)
+    rows_ref = None
     if slots is None:
-        (sched_ref, x_ref), refs = refs[:2], refs[2:]
-        info = _scheduled_tile(sched_ref, tile)
+        (sched_ref, *gather, x_ref), refs = refs[:2 + x_gathered], refs[2 + x_gathered:]
+        info, rows_ref = _scheduled_tile(sched_ref, tile), (gather[0] if gather else None)
     else:
         (layer_ref, offset_ref, ids_ref, x_ref), refs = refs[:4], refs[4:]
         info = _slot_tile(layer_ref, offset_ref, ids_ref, tile, slots=slots, n_groups=n_groups, block_m=block_m)
@@ -549,8 +576,9 @@ def _kernel(*refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, ze
     def run(loaders, scaled=row_scale):
         rows, cols, row_ok, col_ok = tile_rows()
         tiles, scales = loaders(cols, col_ok)
-        accs = _k_loop(x_ref, x_scale_ref, tiles, scales, pl.ds(info.x_row, block_m), row_ok, k=k, block_n=block_n,
-                       fp8=fp8)
+        x_rows = (pl.ds(info.x_row, block_m) if rows_ref is None
+                  else plgpu.load(rows_ref.at[rows], mask=row_ok, other=0))  # a gather: x's rows by index
+        accs = _k_loop(x_ref, x_scale_ref, tiles, scales, x_rows, row_ok, k=k, block_n=block_n, fp8=fp8)
         finish(accs, rows, cols, row_ok, col_ok, scaled)
 
     def routed(cols, col_ok):
@@ -569,12 +597,11 @@ def _kernel(*refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, ze
             run(functools.partial(_shared_loaders, shared_refs, shared_scale_refs, layer, group - n_groups, j, n=n, k=k,
                                   block_n=block_n, fp8=fp8, axis=shared_axis), scaled=row_scale and slots is None)
 
-    if zero_missing:
-        @pl.when(info.exists == 0)
-        def _():
-            rows, cols, row_ok, col_ok = tile_rows()
-            plgpu.store(o_ref.at[rows, cols], jnp.zeros((block_m, block_n), o_ref.dtype),
-                        mask=row_ok[:, None] & col_ok[None, :])
+    @pl.when(info.exists == 0)
+    def _():
+        rows, cols, row_ok, col_ok = tile_rows()
+        plgpu.store(o_ref.at[rows, cols], jnp.zeros((block_m, block_n), o_ref.dtype),
+                    mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _take(refs: tuple, count: int) -> tuple[tuple, tuple]:
@@ -601,9 +628,16 @@ def _shared_loaders(w_refs, scale_refs, layer, chunk, j, cols, col_ok, *, n, k, 
 def _k_loop(x_ref, x_scale_ref, tiles, scales, rows, row_ok, *, k, block_n, fp8):
     """The K loop shared by every grouped kernel: float32 (block_m, block_n) x-tile times w-tile^T for
     each weight (`tiles[i](start, width)` loads its (block_n, width) tile at K offset `start`, in fp8
-    byte pairs when fp8, `scales[i](kb)` its scale at K block kb), the x tile loaded once per K block.
-    With `x_scale_ref` (fp8 x) the fp8 tiles meet on the tensor cores as they are and each K block's
-    product is scaled by both scales; otherwise an fp8 tile is dequantized to x's dtype first."""
+    byte pairs when fp8, `scales[i](kb)` its scale at K block kb), the x tile of `rows` (a slice of x's rows,
+    or a (block_m,) vector of their indices) loaded once per K block. With `x_scale_ref` (fp8 x) the fp8
+    tiles meet on the tensor cores as they are and each K block's product is scaled by both scales;
+    otherwise an fp8 tile is dequantized to x's dtype first."""
+
+    def x_tile(start, width):
+        if isinstance(rows, pl.Slice):
+            return plgpu.load(x_ref.at[rows, pl.ds(start, width)], mask=row_ok[:, None])
+        # gathered rows: the columns as indices too (Pallas' interpreter takes no mix of indices and slices)
+        return plgpu.load(x_ref.at[rows[:, None], (start + jnp.arange(width))[None, :]], mask=row_ok[:, None])
 
     def dot(xb, wb):
         precision = jax.lax.Precision.HIGHEST if xb.dtype == jnp.float32 else None  # no tf32 for float32
@@ -614,11 +648,10 @@ def _k_loop(x_ref, x_scale_ref, tiles, scales, rows, row_ok, *, k, block_n, fp8)
         # masked rows / columns hold garbage that reaches only output rows / columns not stored
         start = pl.multiple_of(kb * BLOCK, BLOCK)
         if not fp8:
-            xb = plgpu.load(x_ref.at[rows, pl.ds(start, BLOCK)], mask=row_ok[:, None])
+            xb = x_tile(start, BLOCK)
             return tuple(acc + dot(xb, tile(start, BLOCK)) for acc, tile in zip(accs, tiles))
         half = BLOCK // 2  # the block's even columns of x meet the low bytes, its odd ones the high
-        x_even = plgpu.load(x_ref.at[rows, pl.ds(start, half)], mask=row_ok[:, None])
-        x_odd = plgpu.load(x_ref.at[rows, pl.ds(start + half, half)], mask=row_ok[:, None])
+        x_even, x_odd = x_tile(start, half), x_tile(start + half, half)
         x_scale = None if x_scale_ref is None else plgpu.load(x_scale_ref.at[rows, kb], mask=row_ok, other=0)
         out = []
         for acc, tile, scale_at in zip(accs, tiles, scales):

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from pallas_kernels import act_quant
 from pallas_kernels.grouped import COVERED, grouped_gemm, grouped_gemm_swiglu, row_schedule, tile_schedule
 from pallas_kernels.reference import grouped_gemm_ref, grouped_gemm_swiglu_ref
 
@@ -102,6 +103,52 @@ def check_fused(sizes, n, k, block_m, block_n, fp8, extra_rows=3):
 @pytest.mark.parametrize("sizes, n, k, block_m, block_n", CASES)
 def test_swiglu_and_row_scale_interpret(sizes, n, k, block_m, block_n, fp8):
     check_fused(sizes, n, k, block_m, block_n, fp8)
+
+
+def check_gathered(sizes, n, k, block_m, block_n, fp8, fp8_x=False, extra_rows=3, tokens=7):
+    """grouped_gemm_swiglu and grouped_gemm (with row_scale) over rows x[x_rows] gathered by the kernel, against
+    float64: x has `tokens` rows, each sorted row names one (repeats and all), as the "fused" decode path's
+    (token, choice) rows do. With `fp8_x`, x is act_quant's fp8 pair, whose scales are gathered too."""
+    rng = np.random.default_rng(sum(sizes) + n + 2)
+    used = sum(sizes)
+    x, w1, s1 = _inputs(rng, [tokens], n, k, 0, fp8)
+    _, w3, s3 = _inputs(rng, sizes, n, k, 0, fp8)
+    w1 = w3 if not fp8 else put(np.asarray(w3)[::-1].copy())  # another weight of the same groups
+    s1 = s3 if not fp8 else s3[::-1].copy()
+    x = put(np.asarray(x)[:tokens])
+    x_rows = rng.integers(0, tokens, used + extra_rows).astype(np.int32)
+    x_kw, x64 = {}, np.asarray(x, np.float64)
+    if fp8_x:
+        xq, x_scale = act_quant(x)
+        x, x_kw = xq, dict(x_scale=x_scale)
+        x64 = np.asarray(xq.astype(jnp.float32), np.float64) * np.repeat(np.asarray(x_scale, np.float64), 128, 1)
+    rows64 = x64[x_rows[:used]]
+    group_sizes = np.array(sizes, np.int32)
+    got = np.asarray(swiglu(x, w1, w3, group_sizes, *(() if not fp8 else (s1, s3)), block_m=block_m,
+                            block_n=block_n, x_rows=x_rows, out_dtype=jnp.float32, **x_kw))
+    expected = _silu(float64_oracle(rows64, w1, sizes, s1)) * float64_oracle(rows64, w3, sizes, s3)
+    assert np.linalg.norm(got[:used] - expected) / np.linalg.norm(expected) < 1e-5
+    assert not np.any(got[used:]), "rows past the groups must be zero"
+    row_scale = rng.uniform(-2, 2, len(x_rows)).astype(np.float32)
+    got = np.asarray(gemm(x, w1, group_sizes, s1, row_scale=row_scale, block_m=block_m, block_n=block_n,
+                          x_rows=x_rows, **x_kw))
+    expected = float64_oracle(rows64, w1, sizes, s1) * row_scale.astype(np.float64)[:used, None]
+    assert np.linalg.norm(got[:used] - expected) / np.linalg.norm(expected) < 1e-5
+    assert not np.any(got[used:]), "rows past the groups must be zero"
+
+
+@pytest.mark.parametrize("fp8, fp8_x", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("sizes, n, k, block_m, block_n", [CASES[1], CASES[3]])
+def test_rows_gathered_by_the_kernel(sizes, n, k, block_m, block_n, fp8, fp8_x):
+    check_gathered(sizes, n, k, block_m, block_n, fp8, fp8_x)
+
+
+def test_gathered_rows_go_with_group_sizes():
+    x, w = jnp.zeros((4, 128), jnp.float32), jnp.zeros((2, 64, 128), jnp.float32)
+    with pytest.raises(ValueError, match="grouped_gemm: x_rows goes with group_sizes, an integer vector"):
+        grouped_gemm(x, w, row_groups=jnp.zeros((4,), jnp.int32), x_rows=jnp.zeros((4,), jnp.int32))
+    with pytest.raises(ValueError, match="grouped_gemm_swiglu: x_rows goes with group_sizes, an integer vector"):
+        grouped_gemm_swiglu(x, w, w, jnp.array([2, 2], jnp.int32), x_rows=jnp.zeros((4,), jnp.float32))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -359,17 +406,27 @@ def test_layer_of_a_weight_stack():
         grouped_gemm(put(x), put(stack), group_sizes)
 
 
-def test_tile_schedule_covers_every_row_once():
+@pytest.mark.parametrize("m", [69, 116])
+def test_tile_schedule_covers_every_row_once(m):
+    """Each row of a group lies in one existing tile of that group; each row past the groups' sum (M > 69)
+    in one tile that does not exist (its program zeroes it); nothing else is covered."""
     sizes = jnp.array([0, 35, 1, 0, 16, 17], jnp.int32)
-    schedule, max_tiles = np.asarray(tile_schedule(sizes, 69, 16)[0]), tile_schedule(sizes, 69, 16)[1]
-    assert max_tiles == 5 + 6
-    owner = np.full(69, -1)
+    schedule, max_tiles = np.asarray(tile_schedule(sizes, m, 16)[0]), tile_schedule(sizes, m, 16)[1]
+    assert max_tiles == -(-m // 16) + 6
+    owner = np.full(m, -2)
     for group, row, end, exists, _ in schedule.T:
-        if exists:
-            for r in range(row, min(row + 16, end)):
-                assert owner[r] == -1
-                owner[r] = group
-    np.testing.assert_array_equal(owner, np.repeat(np.arange(6), np.asarray(sizes)))
+        for r in range(row, min(row + 16, end)):
+            assert owner[r] == -2
+            owner[r] = group if exists else -1
+    np.testing.assert_array_equal(owner, np.concatenate([np.repeat(np.arange(6), np.asarray(sizes)),
+                                                         np.full(m - 69, -1)]))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_rows_past_the_groups_are_zeroed_without_a_zeroed_buffer(fp8):
+    """Three tiles' worth of rows past the groups: the launch's spare programs zero them (the interpreter fills an
+    output nothing writes with NaN), and the groups' rows stay right."""
+    check([5, 0, 9], 64, 256, 16, 64, fp8, extra_rows=40)
 
 
 def test_row_schedule_merges_shared_runs_into_tiles():
@@ -447,6 +504,12 @@ def test_swiglu_and_row_scale_compiled_on_gpu(fp8):
     for sizes, n, k, block_m, block_n in CASES + [([1] * 6 + [0] * 58, 1408, 2048, 16, 64),
                                                    ([2, 0, 7, 1] * 8, 2048, 1408, 16, 32)]:
         check_fused(sizes, n, k, block_m, block_n, fp8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8, fp8_x", [(False, False), (True, True)])
+def test_rows_gathered_by_the_kernel_on_gpu(fp8, fp8_x):
+    check_gathered([2, 0, 7, 1] * 8, 256, 512, 32, 64, fp8, fp8_x, tokens=13)
 
 
 @pytest.mark.gpu

@@ -181,12 +181,13 @@ def _kernel_tiles(rows: int, experts: int, fp8: bool, one_row_tiles: bool = Fals
 
 
 def _kernel_inputs(x, experts: int, fp8_weights: bool, gemm_impl: str, scale_fmt, one_row_tiles: bool, x_fp8=None,
-                   down: bool = False):
+                   down: bool = False, rows: int | None = None):
     """x for the grouped kernels and its x_scale (or None), and their tiles over `experts` experts (`down`: the
-    down projection's). `x_fp8`: x's act_quant, made already (by the norm before), used where the kernels take
-    fp8 activations."""
-    short = _short_tiles(x.shape[0], one_row_tiles)
-    tiles = _kernel_tiles(x.shape[0], experts, fp8_weights, one_row_tiles, down)
+    down projection's) for a launch of `rows` rows (default x's). `x_fp8`: x's act_quant, made already (by the norm
+    before), used where the kernels take fp8 activations."""
+    rows = x.shape[0] if rows is None else rows
+    short = _short_tiles(rows, one_row_tiles)
+    tiles = _kernel_tiles(rows, experts, fp8_weights, one_row_tiles, down)
     if not (fp8_weights and gemm_impl == "fp8"):
         return x, None, tiles
     if short:
@@ -241,18 +242,20 @@ def grouped_matmul(x: jnp.ndarray, weight: jnp.ndarray, scale: jnp.ndarray | Non
 def grouped_swiglu(x: jnp.ndarray, w1: jnp.ndarray, w3: jnp.ndarray, scale1: jnp.ndarray | None,
                    scale3: jnp.ndarray | None, group_sizes: jnp.ndarray | None, *, gemm_impl: str = "bf16",
                    scale_fmt: str | None = None, stack_index=None, slot_experts: jnp.ndarray | None = None,
-                   expert_offset=0, x_fp8=None, **shared) -> jnp.ndarray:
+                   expert_offset=0, x_fp8=None, x_rows=None, **shared) -> jnp.ndarray:
     """silu(x W1_g^T) * (x W3_g^T) in x's dtype from one Pallas launch (`grouped_gemm_swiglu`):
     the "fused" routed-expert path's first half. Same arguments as `grouped_matmul` with
     use_kernel; with gemm_impl "fp8" and fp8 weights x is quantised through `act_quant` once (as there).
     `shared`: the shared experts' weights as more experts (`grouped_gemm_swiglu`'s shared_w1, ...); `x_fp8`:
-    x's act_quant made already (`_kernel_inputs`)."""
+    x's act_quant made already (`_kernel_inputs`); `x_rows` (M,): the sorted rows are x[x_rows], gathered by
+    the kernel (no gathered copy of x)."""
     out_dtype = x.dtype
     x, x_scale, tiles = _kernel_inputs(x, w1.shape[-3], scale1 is not None, gemm_impl, scale_fmt,
-                                       slot_experts is not None, x_fp8)
+                                       slot_experts is not None, x_fp8,
+                                       rows=None if x_rows is None else x_rows.shape[0])
     return grouped_gemm_swiglu(x, w1, w3, group_sizes, scale1, scale3, layer=stack_index,
                                out_dtype=out_dtype, x_scale=x_scale, slot_experts=slot_experts,
-                               expert_offset=expert_offset, **shared, **tiles)
+                               expert_offset=expert_offset, x_rows=x_rows, **shared, **tiles)
 
 
 def _scale(linear: Linear) -> jnp.ndarray | None:
@@ -397,8 +400,8 @@ class Experts(nnx.Module):
 
     def _fused(self, x, weights, indices, first, ctx: StepContext, stack_index,
                shared: MLP | None, x_fp8=None) -> jnp.ndarray:
-        """moe_impl "fused": the (token, choice) assignments sorted by this rank's expert, their rows gathered,
-        then two Pallas launches: w1, w3 and silu * mul in one (`grouped_gemm_swiglu`), w2 with the routing
+        """moe_impl "fused": the (token, choice) assignments sorted by this rank's expert, their rows gathered by
+        the first of two Pallas launches: w1, w3 and silu * mul in one (`grouped_gemm_swiglu`), w2 with the routing
         weights applied to its accumulator (`row_scale`); each token's rows gathered back and summed. With
         `shared`, every token has one more assignment per shared expert (`shared_chunks`; weight 1), groups
         past the routed ones that the kernels read from the shared MLP's weights in place, tiles of several
@@ -419,10 +422,8 @@ class Experts(nnx.Module):
                                                  jnp.ones((chunks * tokens,), jnp.float32)]), row_of)
         group_sizes = jnp.concatenate([sizes, jnp.full((chunks,), tokens, jnp.int32)])
         layer = stack_index if self.w1.weight.ndim == 4 else None
-        rows_fp8 = None if x_fp8 is None else tuple(jnp.take(a, token_of, axis=0) for a in x_fp8)
-        hidden = grouped_swiglu(jnp.take(x, token_of, axis=0), self.w1.weight[...], self.w3.weight[...],
-                                _scale(self.w1), _scale(self.w3), group_sizes, **ctx.gemm, stack_index=layer,
-                                x_fp8=rows_fp8, **fused)
+        hidden = grouped_swiglu(x, self.w1.weight[...], self.w3.weight[...], _scale(self.w1), _scale(self.w3),
+                                group_sizes, **ctx.gemm, stack_index=layer, x_fp8=x_fp8, x_rows=token_of, **fused)
         out = grouped_matmul(hidden, self.w2.weight[...], _scale(self.w2), group_sizes, **ctx.gemm, use_kernel=True,
                              stack_index=layer, row_scale=row_weights, **down)
         # each token's rows gathered and summed in a fixed order: no float32 scatter-add
