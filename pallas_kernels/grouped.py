@@ -345,17 +345,17 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
         # no schedule and no padded copies: each program finds its rows from the ids, loads masked
         table = [layer.reshape(1), group_data.offset.reshape(1), ids.astype(jnp.int32)]
         return launch(x, x_scale, weights, row_scale, table, slots.rows, slots.rows, pad=0, slots=slots)
-    if form == "sizes":
-        schedule, max_tiles = tile_schedule(group_data.astype(jnp.int32), m, block_m, layer)
-    else:
-        schedule = row_schedule(group_data.astype(jnp.int32), n_groups + n_shared, layer,
-                                merge_from=n_groups if n_shared else None, block_m=block_m)
-        max_tiles = m
     # a tile's rows [row, row + block_m) are masked; past decode sizes the refs keep a tile of slack past the
     # last row, as masked loads past the end of the refs measured slower in prefill (benchmarks/NOTES.md), while a
     # decode-sized launch reads masked rather than wait on XLA's padded copies of x, its scales and row_scale
     pad = block_m if m > MOSAIC_MIN_ROWS else 0
-    return launch(x, x_scale, weights, row_scale, [schedule], m, max_tiles, pad=pad, x_rows=x_rows)[:m]
+    if form == "sizes":  # each program finds its tile from the group sizes: no schedule table from XLA
+        table = [layer.reshape(1), group_data.astype(jnp.int32)]
+        return launch(x, x_scale, weights, row_scale, table, m, max_sized_tiles(m, block_m, ids.shape[0]), pad=pad,
+                      x_rows=x_rows, sized=True)[:m]
+    schedule = row_schedule(group_data.astype(jnp.int32), n_groups + n_shared, layer,
+                            merge_from=n_groups if n_shared else None, block_m=block_m)
+    return launch(x, x_scale, weights, row_scale, [schedule], m, m, pad=pad, x_rows=x_rows)[:m]
 
 
 class _Launch(NamedTuple):
@@ -374,8 +374,9 @@ class _Launch(NamedTuple):
     vma: frozenset
 
     def __call__(self, x, x_scale, weights, row_scale, table: list, m: int, programs: int, *, pad: int,
-                 slots: _SlotLayout | None = None, x_rows=None):
-        """Output (m + pad, N) over `programs` row programs; `table` the schedule operands; x, x_scale (or, with
+                 slots: _SlotLayout | None = None, x_rows=None, sized: bool = False):
+        """Output (m + pad, N) over `programs` row programs; `table` the schedule operands (`sized`: the layer and
+        the group sizes, from which each program finds its tile); x, x_scale (or, with
         `x_rows`, the rows' indices into them) and row_scale padded by `pad` rows (their slack, whose output rows
         are left unwritten). Every output row below m is in one program's tile (its group's, its shared run's, or
         past the groups), which stores zeros where the tile does not exist: the output needs no zeroed buffer."""
@@ -397,7 +398,8 @@ class _Launch(NamedTuple):
         kernel = functools.partial(_kernel, n=n, k=k, block_m=self.block_m, block_n=self.block_n,
                                    fp8=self.fp8, n_weights=n_weights, row_scale=row_scale is not None, swiglu=self.swiglu,
                                    n_groups=self.n_groups, shared_axis=self.shared_axis,
-                                   x_scaled=x_scale is not None, x_gathered=x_rows is not None, slots=slots)
+                                   x_scaled=x_scale is not None, x_gathered=x_rows is not None, slots=slots,
+                                   m=m, sized_groups=table[1].shape[0] if sized else None)
         return pl.pallas_call(
             kernel,
             out_shape=result((m + pad, n), self.out_dtype, vma),
@@ -429,30 +431,43 @@ def _twin(x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, shared: _S
                             x_scale=x_scale)
 
 
-def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tuple[jax.Array, int]:
-    """int32 (5, T): per tile its group, first row, end row, 1 if the tile exists (0: its rows are zeroed), and
-    the weight stack's layer. The group tiles' end is their group's; the tiles past them zero the rows past the
-    groups' sum, block_m rows each up to M, so no launch needs a zeroed output buffer.
+def max_sized_tiles(m: int, block_m: int, groups: int) -> int:
+    """T = ceil(M / block_m) + min(G, M): a bound on the tiles of any split of M rows into G groups, which leaves at
+    least ceil((M - sum) / block_m) tiles past the groups' ones."""
+    return cdiv(m, block_m) + min(groups, m)
 
-    T = ceil(M / block_m) + min(G, M) bounds the tiles of any split of M rows into G groups, and leaves at
-    least ceil((M - sum) / block_m) tiles past them.
-    """
-    groups = group_sizes.shape[0]
-    max_tiles = cdiv(m, block_m) + min(groups, m)
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
+
+def sized_tile(group_sizes: jax.Array, tile, *, m: int, block_m: int, groups: int | None = None) -> tuple:
+    """Tile `tile` of M rows sorted by group, as (group, first row, end row, exists), int32 scalars, from the
+    group sizes alone (the first `groups` entries of `group_sizes`; the rest zeros, a kernel's power-of-two
+    vector). Each group's rows are tiles of block_m rows in order, ending at the group's end; the tiles past them
+    (exists 0) zero the rows past the groups' sum, block_m rows each, up to M. Vector ops only (a cumulative
+    sum, comparisons, sums): each grouped-kernel program computes its own."""
+    groups = group_sizes.shape[0] if groups is None else groups
+    index = jnp.arange(group_sizes.shape[0], dtype=jnp.int32)
     tiles = (group_sizes + block_m - 1) // block_m
-    tile_ends = jnp.cumsum(tiles)
-    t = jnp.arange(max_tiles, dtype=jnp.int32)
-    # compare_all: one fused comparison; the default "scan" method is a loop (a device round trip per
-    # iteration on a GPU) that would run inside every MoE layer
-    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right", method="compare_all"), groups - 1).astype(jnp.int32)
-    first_tile = tile_ends[group] - tiles[group]
-    exists = t < tile_ends[-1]
-    row = jnp.where(exists, starts[group] + (t - first_tile) * block_m, ends[-1] + (t - tile_ends[-1]) * block_m)
-    end = jnp.where(exists, ends[group], m)
+    tile_ends, ends = jnp.cumsum(tiles), jnp.cumsum(group_sizes)
+    used, total = jnp.sum(tiles), jnp.sum(group_sizes)
+    group = jnp.minimum(jnp.sum((tile_ends <= tile).astype(jnp.int32)), groups - 1)
+
+    def pick(v):  # v[group], as a sum (no dynamic index into a kernel's vector)
+        return jnp.sum(jnp.where(index == group, v, 0))
+
+    exists = tile < used
+    group_end = pick(ends)
+    row = jnp.where(exists, group_end - pick(group_sizes) + (tile - pick(tile_ends) + pick(tiles)) * block_m,
+                    total + (tile - used) * block_m)
+    return group, row, jnp.where(exists, group_end, m), exists.astype(jnp.int32)
+
+
+def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tuple[jax.Array, int]:
+    """int32 (5, T): per tile (`sized_tile`) its group, first row, end row, 1 if the tile exists (0: its rows are
+    zeroed), and the weight stack's layer, with T = `max_sized_tiles`: the schedule the kernel's programs compute."""
+    max_tiles = max_sized_tiles(m, block_m, group_sizes.shape[0])
+    tile = functools.partial(sized_tile, group_sizes.astype(jnp.int32), m=m, block_m=block_m)
+    group, row, end, exists = jax.vmap(tile)(jnp.arange(max_tiles, dtype=jnp.int32))
     layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (max_tiles,))
-    return jnp.stack([group, row, end, exists.astype(jnp.int32), layers]).astype(jnp.int32), max_tiles
+    return jnp.stack([group, row, end, exists, layers]).astype(jnp.int32), max_tiles
 
 
 # schedule code of a row that another row's tile covers: its program does nothing
@@ -493,6 +508,14 @@ class _Tile(NamedTuple):
     row: jax.Array
     end: jax.Array
     x_row: jax.Array
+
+
+def _sized_program_tile(layer_ref, sizes_ref, tile, *, groups: int, m: int, block_m: int) -> _Tile:
+    """Tile `tile` of the sorted rows (`sized_tile`), from the group sizes loaded as a power-of-two vector."""
+    width = max(16, 1 << (groups - 1).bit_length())
+    sizes = plgpu.load(sizes_ref.at[pl.ds(0, width)], mask=jnp.arange(width) < groups, other=0)
+    group, row, end, exists = sized_tile(sizes, tile, m=m, block_m=block_m, groups=groups)
+    return _Tile(exists, group, layer_ref[0], row, end, row)
 
 
 def _scheduled_tile(sched_ref, tile) -> _Tile:
@@ -538,19 +561,26 @@ def _slot_tile(layer_ref, offset_ref, ids_ref, tile, *, slots: _SlotLayout, n_gr
 
 
 def _kernel(*refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, n_groups, shared_axis,
-            x_scaled, x_gathered=False, slots: _SlotLayout | None = None):
-    """One (row tile, column tile) program. refs: the schedule table (or, with `slots`, the layer, the
-    expert offset and the expert ids), the rows' indices into x (if `x_gathered`), x, x's scales (if `x_scaled`), the weights (n_weights), the shared chunks' wide weights
+            x_scaled, x_gathered=False, slots: _SlotLayout | None = None, m: int = 0, sized_groups: int | None = None):
+    """One (row tile, column tile) program. refs: the schedule table (with `sized_groups`, the layer and the
+    group sizes of m sorted rows; with `slots`, the layer, the expert offset and the expert ids), the rows'
+    indices into x (if `x_gathered`), x, x's scales (if `x_scaled`), the weights (n_weights), the shared chunks' wide weights
     (n_weights, if `shared_axis`), the scales of both (if fp8), row_scale (if given; with `slots` the routed
     rows' only), then the output, where a tile that does not exist stores zeros over its rows."""
     tile, j = launch_dependents(pl.program_id(0)), pl.program_id(1)
     rows_ref = None
-    if slots is None:
-        (sched_ref, *gather, x_ref), refs = refs[:2 + x_gathered], refs[2 + x_gathered:]
-        info, rows_ref = _scheduled_tile(sched_ref, tile), (gather[0] if gather else None)
-    else:
+    if slots is not None:
         (layer_ref, offset_ref, ids_ref, x_ref), refs = refs[:4], refs[4:]
         info = _slot_tile(layer_ref, offset_ref, ids_ref, tile, slots=slots, n_groups=n_groups, block_m=block_m)
+    elif sized_groups:
+        (layer_ref, sizes_ref), refs = refs[:2], refs[2:]
+        info = _sized_program_tile(layer_ref, sizes_ref, tile, groups=sized_groups, m=m, block_m=block_m)
+    else:
+        sched_ref, refs = refs[0], refs[1:]
+        info = _scheduled_tile(sched_ref, tile)
+    if slots is None:
+        rows_ref, refs = (refs[0], refs[1:]) if x_gathered else (None, refs)
+        x_ref, refs = refs[0], refs[1:]
     x_scale_ref, refs = (refs[0], refs[1:]) if x_scaled else (None, refs)
     refs, w_refs = _take(refs, n_weights)
     refs, shared_refs = _take(refs, n_weights if shared_axis else 0)
