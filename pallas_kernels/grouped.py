@@ -102,8 +102,8 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = Non
     if grouped_gemm_backend(_launch_rows(x, x_rows), w, w_scale, out_dtype=out_dtype, backend=backend,
                             mosaic_tiles=tiles, row_groups=row_groups if slot_experts is None else slot_experts,
                             x_scale=x_scale) == "mosaic":
-        return grouped_gemm_mgpu(_gathered(x, x_rows), w, group_sizes, w_scale, layer=layer, row_scale=row_scale, out_dtype=out_dtype,
-                                 tiles=tiles)
+        return grouped_gemm_mgpu(_gathered(x, x_rows), w, group_sizes, w_scale, layer=layer, row_scale=row_scale,
+                                 out_dtype=out_dtype, tiles=tiles)
     return _grouped(_FN, x, (w,), (w_scale,), groups, layer, row_scale, False, out_dtype,
                     block_m, block_n, num_warps, num_stages, x_scale=x_scale, x_rows=x_rows)
 
@@ -189,7 +189,8 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
     if grouped_gemm_backend(_launch_rows(x, x_rows), w1, w1_scale, out_dtype=out_dtype, backend=backend,
                             mosaic_tiles=tiles, row_groups=row_groups if slot_experts is None else slot_experts,
                             x_scale=x_scale, swiglu=True, shared=shared is not None) == "mosaic":
-        return grouped_swiglu_mgpu(_gathered(x, x_rows), w1, w3, group_sizes, layer=layer, out_dtype=out_dtype, tiles=tiles)
+        return grouped_swiglu_mgpu(_gathered(x, x_rows), w1, w3, group_sizes, layer=layer, out_dtype=out_dtype,
+                                   tiles=tiles)
     return _grouped(_SWIGLU, x, (w1, w3), (w1_scale, w3_scale), groups, layer,
                     None, True, out_dtype, block_m, block_n, num_warps,
                     num_stages, shared=shared, x_scale=x_scale, x_rows=x_rows)
@@ -564,23 +565,12 @@ def _kernel(*refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, n_
             x_scaled, x_gathered=False, slots: _SlotLayout | None = None, m: int = 0, sized_groups: int | None = None):
     """One (row tile, column tile) program. refs: the schedule table (with `sized_groups`, the layer and the
     group sizes of m sorted rows; with `slots`, the layer, the expert offset and the expert ids), the rows'
-    indices into x (if `x_gathered`), x, x's scales (if `x_scaled`), the weights (n_weights), the shared chunks' wide weights
-    (n_weights, if `shared_axis`), the scales of both (if fp8), row_scale (if given; with `slots` the routed
-    rows' only), then the output, where a tile that does not exist stores zeros over its rows."""
+    indices into x (if `x_gathered`), x, x's scales (if `x_scaled`), the weights (n_weights), the shared chunks'
+    wide weights (n_weights, if `shared_axis`), the scales of both (if fp8), row_scale (if given; with `slots` the
+    routed rows' only), then the output, where a tile that does not exist stores zeros over its rows."""
     tile, j = launch_dependents(pl.program_id(0)), pl.program_id(1)
-    rows_ref = None
-    if slots is not None:
-        (layer_ref, offset_ref, ids_ref, x_ref), refs = refs[:4], refs[4:]
-        info = _slot_tile(layer_ref, offset_ref, ids_ref, tile, slots=slots, n_groups=n_groups, block_m=block_m)
-    elif sized_groups:
-        (layer_ref, sizes_ref), refs = refs[:2], refs[2:]
-        info = _sized_program_tile(layer_ref, sizes_ref, tile, groups=sized_groups, m=m, block_m=block_m)
-    else:
-        sched_ref, refs = refs[0], refs[1:]
-        info = _scheduled_tile(sched_ref, tile)
-    if slots is None:
-        rows_ref, refs = (refs[0], refs[1:]) if x_gathered else (None, refs)
-        x_ref, refs = refs[0], refs[1:]
+    info, rows_ref, x_ref, refs = _program_tile(refs, tile, slots=slots, n_groups=n_groups, block_m=block_m,
+                                                x_gathered=x_gathered, m=m, sized_groups=sized_groups)
     x_scale_ref, refs = (refs[0], refs[1:]) if x_scaled else (None, refs)
     refs, w_refs = _take(refs, n_weights)
     refs, shared_refs = _take(refs, n_weights if shared_axis else 0)
@@ -632,6 +622,22 @@ def _kernel(*refs, n, k, block_m, block_n, fp8, n_weights, row_scale, swiglu, n_
         rows, cols, row_ok, col_ok = tile_rows()
         plgpu.store(o_ref.at[rows, cols], jnp.zeros((block_m, block_n), o_ref.dtype),
                     mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _program_tile(refs, tile, *, slots, n_groups, block_m, x_gathered, m, sized_groups):
+    """`_kernel`'s tile `tile` from its leading refs -> (its _Tile, the ref of x's row indices or None, x's ref, the
+    refs after x)."""
+    if slots is not None:
+        (layer_ref, offset_ref, ids_ref, x_ref), refs = refs[:4], refs[4:]
+        return (_slot_tile(layer_ref, offset_ref, ids_ref, tile, slots=slots, n_groups=n_groups, block_m=block_m),
+                None, x_ref, refs)
+    if sized_groups:
+        (layer_ref, sizes_ref), refs = refs[:2], refs[2:]
+        info = _sized_program_tile(layer_ref, sizes_ref, tile, groups=sized_groups, m=m, block_m=block_m)
+    else:
+        info, refs = _scheduled_tile(refs[0], tile), refs[1:]
+    rows_ref, refs = (refs[0], refs[1:]) if x_gathered else (None, refs)
+    return info, rows_ref, refs[0], refs[1:]
 
 
 def _take(refs: tuple, count: int) -> tuple[tuple, tuple]:
