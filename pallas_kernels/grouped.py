@@ -3,8 +3,9 @@
 ``out[r] = x[r] @ w[g(r)]^T`` for rows sorted by group (expert), ``group_sizes[g]`` rows each.
 XLA's ``ragged_dot`` streams every expert's weights whatever the group sizes; here each program
 owns one (tile of at most ``block_m`` rows of one group) x (``block_n`` output columns) and loads
-only that group's weight slice, so a decode step reads just the selected experts. The tile
-schedule (group, first row, group end) is computed in plain XLA and read by the kernel as data.
+only that group's weight slice, so a decode step reads just the selected experts. Each program
+finds its tile (group, first row, group end) from the group sizes (`sized_tile`); over more than
+SIZED_TILE_MAX_GROUPS groups XLA computes the tile table once and the kernel reads it as data.
 
 An fp8 weight (float8_e4m3fn with float32 128x128 block scales) is dequantised tile by tile in
 the kernel, to x's dtype, as ``weight_dequant`` then a matmul would: the "bf16" GEMM path.
@@ -38,6 +39,10 @@ from .grouped_mgpu import (MOSAIC_AUTO_FP8, MOSAIC_MIN_ROWS, SWIGLU_TILES, Mosai
 from .reference import grouped_gemm_ref, grouped_gemm_swiglu_ref  # noqa: F401 (re-exported)
 
 _FN = "grouped_gemm"
+# launches over at most this many group sizes (V2-Lite's 64 experts and 2 shared chunks) find each program's tile
+# in the program (`sized_tile`); over more (V3's 256 experts) XLA builds the tile table once, since each program's
+# cumulative sum over 512 sizes then costs more than the table (benchmarks/NOTES.md)
+SIZED_TILE_MAX_GROUPS = 128
 
 
 def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None, w_scale: jax.Array | None = None,
@@ -350,10 +355,13 @@ def _grouped(fn, x, ws, scales, groups, layer, row_scale, swiglu, out_dtype, blo
     # last row, as masked loads past the end of the refs measured slower in prefill (benchmarks/NOTES.md), while a
     # decode-sized launch reads masked rather than wait on XLA's padded copies of x, its scales and row_scale
     pad = block_m if m > MOSAIC_MIN_ROWS else 0
-    if form == "sizes":  # each program finds its tile from the group sizes: no schedule table from XLA
-        table = [layer.reshape(1), group_data.astype(jnp.int32)]
-        return launch(x, x_scale, weights, row_scale, table, m, max_sized_tiles(m, block_m, ids.shape[0]), pad=pad,
-                      x_rows=x_rows, sized=True)[:m]
+    if form == "sizes":
+        sizes, programs = group_data.astype(jnp.int32), max_sized_tiles(m, block_m, ids.shape[0])
+        if ids.shape[0] <= SIZED_TILE_MAX_GROUPS:  # each program finds its tile: no schedule table from XLA
+            return launch(x, x_scale, weights, row_scale, [layer.reshape(1), sizes], m, programs, pad=pad,
+                          x_rows=x_rows, sized=True)[:m]
+        schedule, _ = tile_schedule(sizes, m, block_m, layer)
+        return launch(x, x_scale, weights, row_scale, [schedule], m, programs, pad=pad, x_rows=x_rows)[:m]
     schedule = row_schedule(group_data.astype(jnp.int32), n_groups + n_shared, layer,
                             merge_from=n_groups if n_shared else None, block_m=block_m)
     return launch(x, x_scale, weights, row_scale, [schedule], m, m, pad=pad, x_rows=x_rows)[:m]
@@ -443,7 +451,7 @@ def sized_tile(group_sizes: jax.Array, tile, *, m: int, block_m: int, groups: in
     group sizes alone (the first `groups` entries of `group_sizes`; the rest zeros, a kernel's power-of-two
     vector). Each group's rows are tiles of block_m rows in order, ending at the group's end; the tiles past them
     (exists 0) zero the rows past the groups' sum, block_m rows each, up to M. Vector ops only (a cumulative
-    sum, comparisons, sums): each grouped-kernel program computes its own."""
+    sum, comparisons, sums): each grouped-kernel program computes its own, up to SIZED_TILE_MAX_GROUPS groups."""
     groups = group_sizes.shape[0] if groups is None else groups
     index = jnp.arange(group_sizes.shape[0], dtype=jnp.int32)
     tiles = (group_sizes + block_m - 1) // block_m

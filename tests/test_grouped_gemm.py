@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import act_quant
-from pallas_kernels.grouped import COVERED, grouped_gemm, grouped_gemm_swiglu, row_schedule, tile_schedule
+from pallas_kernels.grouped import (COVERED, SIZED_TILE_MAX_GROUPS, grouped_gemm, grouped_gemm_swiglu, row_schedule,
+                                    tile_schedule)
 from pallas_kernels.reference import grouped_gemm_ref, grouped_gemm_swiglu_ref
 
 _STATIC = ("out_dtype", "block_m", "block_n", "num_warps", "num_stages")
@@ -429,6 +430,16 @@ def test_rows_past_the_groups_are_zeroed_without_a_zeroed_buffer(fp8):
     check([5, 0, 9], 64, 256, 16, 64, fp8, extra_rows=40)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_many_groups_read_the_tile_table(fp8):
+    """Past SIZED_TILE_MAX_GROUPS groups the programs read XLA's tile table (`tile_schedule`): 150 groups, most
+    empty, a few of several tiles, and rows past the groups, which the table's spare tiles zero."""
+    sizes = [0] * 150
+    sizes[3], sizes[77], sizes[148], sizes[149] = 18, 1, 5, 33
+    assert len(sizes) > SIZED_TILE_MAX_GROUPS
+    check(sizes, 64, 256, 16, 64, fp8, extra_rows=21)
+
+
 def test_row_schedule_merges_shared_runs_into_tiles():
     """Rows of groups >= merge_from in runs of one group share tiles of up to block_m rows; every row that
     names a group lies in exactly one existing tile of its group, each tile starts at its own program's
@@ -480,6 +491,12 @@ def test_grouped_gemm_compiled_on_gpu(fp8):
     for sizes, n, k, block_m, block_n in CASES + [([1] * 6 + [0] * 58, 1408, 2048, 16, 64),
                                                    ([2, 0, 7, 1] * 8, 2048, 1408, 16, 64)]:
         check(sizes, n, k, block_m, block_n, fp8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_many_groups_read_the_tile_table_on_gpu(fp8):
+    test_many_groups_read_the_tile_table(fp8)
 
 
 @pytest.mark.gpu
