@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-66 prepared for the next one (benchmarks/NOTES.md items 75-81), kept here because
+# The device calls sessions 60-67 prepared for the next one (benchmarks/NOTES.md items 75-82), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s63-next-calls.sh glue | gluesuite | tiles256 | profile256 | mlasplits | v3slots |
-#            v3query | rowsplit | profv3 | profiles | rotary | slots12 | projections | combo | suite | figures
-#            (in that order of worth; ROUND=2 glue for glue's second round; suite and figures on an H200 only,
-#            run in item 81; proj256, mla256 and profv3 ran in item 81)
+#   device:  bash benchmarks/raw/s63-next-calls.sh gluev3 | suite | mlasplits | tiles256 | profile256 | v3slots |
+#            rowsplit | profiles | rotary | slots12 | projections | combo | figures
+#            (in that order of worth; suite and figures on an H200; glue, gluesuite and v3query ran in item 82,
+#            proj256, mla256 and profv3 in item 81)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -34,10 +34,10 @@ case "${1:-}" in
     tree main
     tree rotary benchmarks/raw/s60-rotary-bf16.patch  # rotate_rows' angle spread on bf16 tensor cores, exactly
     tree rowsplit benchmarks/raw/s63-mla-row-splits.patch tests  # mla_decode's splits by each row's own length
-    tree glue benchmarks/raw/s66-glue.patch tests  # no zeroed output buffers; the fused rows gathered in the kernel
+    tree pre benchmarks/raw/s67-pre-glue.patch  # main before item 82's merge of the glue patch (1a0ada7's kernels)
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
-    grep -c "def _launch_rows" .device-data/var-glue/pallas_kernels/grouped.py ;;
+    grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -67,34 +67,29 @@ case "${1:-}" in
         --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
     done; done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
-  glue)  # ~450 s a round (ROUND=1, then ROUND=2 in the next call): raw/s66-glue.patch against main, V2-Lite b=32
-    # and 256 with generate(), the V3 cut (gemm fp8) b=16 step ("fused", fp8 activations): the grouped launches'
-    # zeroed output buffers gone (item 81: XLA fills them in two broadcasts a step, 133 us at b=256 on the H200),
-    # the fused path's rows gathered by the swiglu kernel (the XLA gather of 2,048 rows, ~6 us a layer at b=256)
-    # and each program's tile found from the group sizes (no schedule table from XLA)
-    for v in main glue; do
-      LIMIT=150 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 32,256 \
-        --prefill-batches '' --tag "16B-$v-${ROUND:-1}" --out-dir "$R"
+  gluev3)  # ~420 s: main (item 82's merge: the grouped launches zero their own spare rows, gather the fused rows,
+    # and over at most SIZED_TILE_MAX_GROUPS groups find each tile in the program) against the kernels before it,
+    # two rounds alternating: the V3 cut (gemm fp8) b=16 and b=1 steps (the patch as first run, tiles in every
+    # program, was +2.9 % at b=16: V3's 257 groups now read XLA's table), V2-Lite b=256 with generate()
+    for round in 1 2; do for v in pre main; do
       LIMIT=70 in_tree $v python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 \
-        --weights fp8 --gemm-impl fp8 --decode-batches 16 --prefill-batches '' --no-generate \
-        --tag "v3cut-$v-${ROUND:-1}" --out-dir "$R"
+        --weights fp8 --gemm-impl fp8 --decode-batches 1,16 --prefill-batches '' --no-generate \
+        --tag "v3cut-$v-$round" --out-dir "$R"
+    done; done
+    for v in pre main; do
+      LIMIT=100 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 256 \
+        --prefill-batches '' --tag "16B-$v" --out-dir "$R"
     done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
-  gluesuite)  # ~330 s on an H200: the fast GPU suite with raw/s66-glue.patch applied (before merging it)
-    patch -s -p1 < benchmarks/raw/s66-glue.patch && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
-    patch -s -R -p1 < benchmarks/raw/s66-glue.patch
-    grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
-  mlasplits)  # ~100 s on an H200: mla_decode's split count at b=128, 256 with the output launch at its default V
-    # tiles and 128 wide (item 81: 4 splits 57.6 against 67.0 us alone at b=256, the 64-wide output's merge ate it)
-    in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 128,256 \
-      --kernels splits --splits 2,3,4,8 --split-output-tiles '[{}, {"block_v": 128}]'
+  mlasplits)  # ~150 s on an H200: mla_decode's split count at b=256, 128, 64, 32 with the output launch at its
+    # default V tiles and 128 wide (item 82: at b=128, 2 splits (the default) 61.1 us against 40.1 at 3 and 38.8 at
+    # 4, but that was the run's first row, maybe before the clocks settled; item 80 had b=128 2 against 3 even end
+    # to end on an H100), b=256 first, ten repeats
+    LIMIT=280 in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 256,128,64,32 \
+      --kernels splits --splits 2,3,4,8 --split-output-tiles '[{}, {"block_v": 128}]' --repeats 10
     pack ;;
-  v3query)  # ~80 s: mla_absorb_query at the V3 cut's b=1 and 8 with its fp8 wkv_b by block_c and warps (item 81:
-    # 7.8 us a layer in the b=1 step against ~2 of wkv_b's key half; item 57's sweep was V2-Lite's bf16 only)
-    in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_671B.json --layers 8 --batches 1,8 \
-      --kernels query --wkv-b fp8
-    pack ;;
-  v3slots)  # ~200 s: the V3 cut's b=1 slot launches alone (fp8, gemm fp8) by block_n, warps and stages: in the
+  v3slots)  # ~250 s (a call of 320 s: item 82's 230 s call was cut off before it printed a row): the V3 cut's b=1
+    # slot launches alone (fp8, gemm fp8) by block_n, warps and stages: in the
     # step the swiglu launch reads its 264 MB a layer at ~3.0 TB/s, the down launch at ~3.6 (item 81)
     LIMIT=290 in_tree main python3 scripts/bench_grouped_decode.py --batches 1 --block-n 16,32,64 --warps 2,4,8 \
       --stages 2,3,4,6 --forms fp8 --max-sets 8 --out-dir "$R"
@@ -160,6 +155,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | glue | gluesuite | tiles256 | profile256 | mlasplits | v3slots | rowsplit | profv3 |" \
-      "v3query | profiles | rotary | slots12 | projections | combo | mla256 | suite | figures" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | gluev3 | suite | mlasplits | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
+      "profiles | rotary | slots12 | projections | combo | mla256 | figures" >&2; exit 2 ;;
 esac
