@@ -2,8 +2,8 @@
 # The device calls sessions 60-67 prepared for the next one (benchmarks/NOTES.md items 75-82), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s63-next-calls.sh gluev3 | suite | mlasplits | tiles256 | profile256 | v3slots |
-#            rowsplit | profiles | rotary | slots12 | projections | combo | figures
+#   device:  bash benchmarks/raw/s63-next-calls.sh gluev3 | suite | mlasplits | output128 | tiles256 | profile256 |
+#            v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | figures
 #            (in that order of worth; suite and figures on an H200; glue, gluesuite and v3query ran in item 82,
 #            proj256, mla256 and profv3 in item 81)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
@@ -35,9 +35,11 @@ case "${1:-}" in
     tree rotary benchmarks/raw/s60-rotary-bf16.patch  # rotate_rows' angle spread on bf16 tensor cores, exactly
     tree rowsplit benchmarks/raw/s63-mla-row-splits.patch tests  # mla_decode's splits by each row's own length
     tree pre benchmarks/raw/s67-pre-glue.patch  # main before item 82's merge of the glue patch (1a0ada7's kernels)
+    tree o128 benchmarks/raw/s67-output128.patch tests  # mla_decode_output 128 wide on 8 warps above 64 rows
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
-    grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py ;;
+    grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
+    grep -c "def default_output_tiles" .device-data/var-o128/pallas_kernels/mla.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -81,12 +83,21 @@ case "${1:-}" in
         --prefill-batches '' --tag "16B-$v" --out-dir "$R"
     done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
-  mlasplits)  # ~150 s on an H200: mla_decode's split count at b=256, 128, 64, 32 with the output launch at its
+  output128)  # ~380 s: raw/s67-output128.patch (mla_decode_output's V tiles 128 wide on 8 warps above 64 rows,
+    # where item 82's sweep had 128 wide on 4 warps (which spill 52 bytes) 17.2 against 22.2 us at b=128, 23.4
+    # against 25.3 at b=256) against main, V2-Lite b=128 and 256 with generate(), two rounds alternating
+    for round in 1 2; do for v in main o128; do
+      LIMIT=110 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 128,256 \
+        --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
+    done; done
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
+  mlasplits)  # ~250 s on an H200: mla_decode's split count at b=256, 128, 64, 32 with the output launch at its
     # default V tiles and 128 wide (item 82: at b=128, 2 splits (the default) 61.1 us against 40.1 at 3 and 38.8 at
     # 4, but that was the run's first row, maybe before the clocks settled; item 80 had b=128 2 against 3 even end
     # to end on an H100), b=256 first, ten repeats
-    LIMIT=280 in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 256,128,64,32 \
-      --kernels splits --splits 2,3,4,8 --split-output-tiles '[{}, {"block_v": 128}]' --repeats 10
+    LIMIT=280 in_tree main python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json \
+      --batches 256,128,64,32 --kernels splits --splits 2,3,4,8 --repeats 10 \
+      --split-output-tiles '[{}, {"block_v": 128}, {"block_v": 128, "num_warps": 8}]'
     pack ;;
   v3slots)  # ~250 s (a call of 320 s: item 82's 230 s call was cut off before it printed a row): the V3 cut's b=1
     # slot launches alone (fp8, gemm fp8) by block_n, warps and stages: in the
@@ -155,6 +166,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | gluev3 | suite | mlasplits | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
+  *) echo "usage: $0 prep | gluev3 | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
       "profiles | rotary | slots12 | projections | combo | mla256 | figures" >&2; exit 2 ;;
 esac
