@@ -150,8 +150,8 @@ def grouped_gemm_backend(x: jax.Array, w: jax.Array, w_scale: jax.Array | None =
 
 def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array | None = None,
                         w1_scale: jax.Array | None = None, w3_scale: jax.Array | None = None, *,
-                        row_groups: jax.Array | None = None, layer: jax.Array | int | None = None, out_dtype=None, block_m: int = 16,
-                        block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+                        row_groups: jax.Array | None = None, layer: jax.Array | int | None = None, out_dtype=None,
+                        block_m: int = 16, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
                         shared_w1: jax.Array | None = None, shared_w3: jax.Array | None = None,
                         shared_w1_scale: jax.Array | None = None, shared_w3_scale: jax.Array | None = None,
                         x_scale: jax.Array | None = None, slot_experts: jax.Array | None = None,
@@ -160,8 +160,8 @@ def grouped_gemm_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes:
     """The gated hidden state of routed experts in one launch: h = silu(x W1_g^T) * (x W3_g^T).
 
     Same rows, groups (`group_sizes` or `row_groups`), weight forms (bf16 or fp8 + 128x128 scales,
-    optionally a layer stack with `layer`) and tiles as `grouped_gemm`; w1 and w3 have one shape. Each program loads its x tile
-    once and both weights' tiles of the same columns, keeps two float32 accumulators and applies
+    optionally a layer stack with `layer`) and tiles as `grouped_gemm`; w1 and w3 have one shape. Each program
+    loads its x tile once and both weights' tiles of the same columns, keeps two float32 accumulators and applies
     silu(a1) * a3 in float32 before storing h in `out_dtype` (default: x's dtype; bfloat16 for fp8 x with
     `x_scale`, grouped_gemm's fp8 products). Rows past the groups come out zero.
 
@@ -405,7 +405,8 @@ class _Launch(NamedTuple):
             1 if self.fp8 else w.dtype.itemsize)
         num_stages = max(1, min(self.num_stages, SHARED_MEMORY_BYTES // stage_bytes))
         kernel = functools.partial(_kernel, n=n, k=k, block_m=self.block_m, block_n=self.block_n,
-                                   fp8=self.fp8, n_weights=n_weights, row_scale=row_scale is not None, swiglu=self.swiglu,
+                                   fp8=self.fp8, n_weights=n_weights, row_scale=row_scale is not None,
+                                   swiglu=self.swiglu,
                                    n_groups=self.n_groups, shared_axis=self.shared_axis,
                                    x_scaled=x_scale is not None, x_gathered=x_rows is not None, slots=slots,
                                    m=m, sized_groups=table[1].shape[0] if sized else None)
@@ -665,7 +666,8 @@ def _shared_loaders(w_refs, scale_refs, layer, chunk, j, cols, col_ok, *, n, k, 
     tiles = [lambda start, width, w_ref=w_ref: plgpu.load(
         w_ref.at[layer, cols, pl.ds(pl.multiple_of(chunk * words + start, width), width)], mask=col_ok[:, None])
         for w_ref in w_refs]
-    scales = [lambda kb, s_ref=s_ref: s_ref[layer, (j * block_n) // BLOCK, chunk * (k // BLOCK) + kb] for s_ref in scale_refs]
+    scales = [lambda kb, s_ref=s_ref: s_ref[layer, (j * block_n) // BLOCK, chunk * (k // BLOCK) + kb]
+              for s_ref in scale_refs]
     return tiles, scales
 
 
