@@ -2,10 +2,11 @@
 # The device calls sessions 60-67 prepared for the next one (benchmarks/NOTES.md items 75-82), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s63-next-calls.sh prefetch | prefsuite | gluev3 | suite | mlasplits | output128 |
+#   device:  bash benchmarks/raw/s63-next-calls.sh prefetch | prefsuite | suite | mlasplits | output128 |
 #            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | figures
 #            (in that order of worth; suite (main alone: prefsuite runs main with the prefetch patch) and figures on
-#            an H200; glue, gluesuite and v3query ran in item 82, proj256, mla256 and profv3 in item 81)
+#            an H200; prefetch also times item 82's merge on the V3 cut (pre against main); glue, gluesuite and v3query
+#            ran in item 82, proj256, mla256 and profv3 in item 81)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -71,36 +72,26 @@ case "${1:-}" in
         --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
     done; done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
-  prefetch)  # ~450 s: raw/s67-scale-prefetch.patch against main, two rounds alternating: the V3 cut gemm fp8 (fp8
-    # activations: the grouped launches and fp8_gemm load each K block's scales a step ahead; on main those loads
-    # stall every step, item 82's PTX) at b=1 with generate(), b=8 and 16 steps; gemm bf16 b=1 (dequantized paths,
-    # unchanged: a control)
+  prefetch)  # ~520 s: three trees alternating, two rounds, the V3 cut gemm fp8 (fp8 activations) b=1 with
+    # generate(), b=8 and 16 steps: `pre` (the kernels before item 82's merge), main (the merge: V3's 257 groups
+    # read XLA's tile table again, with the zeroing tiles and gathered rows; the patch as first run, tiles in every
+    # program, was +2.9 % at b=16) and `pref` (raw/s67-scale-prefetch.patch: the grouped launches and fp8_gemm
+    # load each K block's scales a step ahead; on main those loads stall every step, item 82's PTX); then gemm
+    # bf16 b=1 for main and pref (dequantized paths, unchanged: a control)
     V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
-    for round in 1 2; do for v in main pref; do
-      LIMIT=100 in_tree $v $V3 --gemm-impl fp8 --decode-batches 1,8,16 --prefill-batches "" \
+    for round in 1 2; do for v in pre main pref; do
+      LIMIT=90 in_tree $v $V3 --gemm-impl fp8 --decode-batches 1,8,16 --prefill-batches "" \
         --tag "v3cut-fp8-$v-$round" --out-dir "$R"
-      LIMIT=60 in_tree $v $V3 --gemm-impl bf16 --decode-batches 1 --prefill-batches "" --no-generate \
-        --tag "v3cut-bf16-$v-$round" --out-dir "$R"
     done; done
+    for v in main pref; do
+      LIMIT=50 in_tree $v $V3 --gemm-impl bf16 --decode-batches 1 --prefill-batches "" --no-generate \
+        --tag "v3cut-bf16-$v" --out-dir "$R"
+    done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
   prefsuite)  # ~230 s on an H200: the fast GPU suite with raw/s67-scale-prefetch.patch applied (before merging it)
     patch -s -p1 < benchmarks/raw/s67-scale-prefetch.patch && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     patch -s -R -p1 < benchmarks/raw/s67-scale-prefetch.patch
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
-  gluev3)  # ~420 s: main (item 82's merge: the grouped launches zero their own spare rows, gather the fused rows,
-    # and over at most SIZED_TILE_MAX_GROUPS groups find each tile in the program) against the kernels before it,
-    # two rounds alternating: the V3 cut (gemm fp8) b=16 and b=1 steps (the patch as first run, tiles in every
-    # program, was +2.9 % at b=16: V3's 257 groups now read XLA's table), V2-Lite b=256 with generate()
-    for round in 1 2; do for v in pre main; do
-      LIMIT=70 in_tree $v python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 \
-        --weights fp8 --gemm-impl fp8 --decode-batches 1,16 --prefill-batches '' --no-generate \
-        --tag "v3cut-$v-$round" --out-dir "$R"
-    done; done
-    for v in pre main; do
-      LIMIT=100 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 256 \
-        --prefill-batches '' --tag "16B-$v" --out-dir "$R"
-    done
-    grep "decode b=\|generate b=" "$R/log"; pack ;;
   output128)  # ~380 s: raw/s67-output128.patch (mla_decode_output's V tiles 128 wide on 8 warps above 64 rows,
     # where item 82's sweep had 128 wide on 4 warps (which spill 52 bytes) 17.2 against 22.2 us at b=128, 23.4
     # against 25.3 at b=256) against main, V2-Lite b=128 and 256 with generate(), two rounds alternating
@@ -184,6 +175,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | prefetch | prefsuite | gluev3 | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
+  *) echo "usage: $0 prep | prefetch | prefsuite | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
       "profiles | rotary | slots12 | projections | combo | mla256 | figures" >&2; exit 2 ;;
 esac
