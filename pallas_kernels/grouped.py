@@ -385,10 +385,10 @@ class _Launch(NamedTuple):
     def __call__(self, x, x_scale, weights, row_scale, table: list, m: int, programs: int, *, pad: int,
                  slots: _SlotLayout | None = None, x_rows=None, sized: bool = False):
         """Output (m + pad, N) over `programs` row programs; `table` the schedule operands (`sized`: the layer and
-        the group sizes, from which each program finds its tile); x, x_scale (or, with
-        `x_rows`, the rows' indices into them) and row_scale padded by `pad` rows (their slack, whose output rows
-        are left unwritten). Every output row below m is in one program's tile (its group's, its shared run's, or
-        past the groups), which stores zeros where the tile does not exist: the output needs no zeroed buffer."""
+        the group sizes, from which each program finds its tile); x, x_scale (or, with `x_rows`, the rows' indices
+        into them) and row_scale padded by `pad` rows (their slack, whose output rows are left unwritten). Every
+        output row below m is in one program's tile (its group's, its shared run's, or past the groups), which
+        stores zeros where the tile does not exist: the output needs no zeroed buffer."""
         n_weights = 2 if self.swiglu else 1
         w, k, n, vma = weights[0], x.shape[1], weights[0].shape[-2], self.vma
         padded = (lambda a: a) if not pad else (  # noqa: E731
