@@ -88,6 +88,9 @@ case "${1:-}" in
         --tag "v3cut-bf16-$v" --out-dir "$R"
     done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
+  quant)  # ~100 s: act_quant alone at the V3 cut's decode shapes by tile (benchmarks/raw/s68-act-quant-rows.py)
+    LIMIT=200 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
+    pack ;;
   prefsuite)  # ~230 s on an H200: the fast GPU suite with raw/s67-scale-prefetch.patch applied (before merging it)
     patch -s -p1 < benchmarks/raw/s67-scale-prefetch.patch && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     patch -s -R -p1 < benchmarks/raw/s67-scale-prefetch.patch
@@ -175,6 +178,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | prefetch | prefsuite | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
+  *) echo "usage: $0 prep | prefetch | prefsuite | quant | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
       "profiles | rotary | slots12 | projections | combo | mla256 | figures" >&2; exit 2 ;;
 esac
