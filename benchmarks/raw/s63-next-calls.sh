@@ -38,11 +38,13 @@ case "${1:-}" in
     tree pre benchmarks/raw/s67-pre-glue.patch  # main before item 82's merge of the glue patch (1a0ada7's kernels)
     tree o128 benchmarks/raw/s67-output128.patch tests  # mla_decode_output 128 wide on 8 warps above 64 rows
     tree pref benchmarks/raw/s67-scale-prefetch.patch tests  # fp8 activations' K loops load scales a block ahead
+    tree aq benchmarks/raw/s68-act-quant-tiles.patch tests  # act_quant's decode launches: a program an SM
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
     grep -c "def default_output_tiles" .device-data/var-o128/pallas_kernels/mla.py
-    grep -c "def scaled_body" .device-data/var-pref/pallas_kernels/grouped.py ;;
+    grep -c "def scaled_body" .device-data/var-pref/pallas_kernels/grouped.py
+    grep -c "num_sms()" .device-data/var-aq/pallas_kernels/quantize.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -91,6 +93,16 @@ case "${1:-}" in
   quant)  # ~100 s: act_quant alone at the V3 cut's decode shapes by tile (benchmarks/raw/s68-act-quant-rows.py)
     LIMIT=200 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
     pack ;;
+  aq)  # ~330 s: quant's micro-benchmark, then raw/s68-act-quant-tiles.patch (act_quant's launches of few rows halve
+    # their tiles until a program an SM: the routed down launch's 9 x 2048 at b=1 took ~5.7 us in 6 programs) against
+    # main, the V3 cut gemm fp8 b=1 with generate(), b=8, two rounds alternating
+    LIMIT=150 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
+    V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
+    for round in 1 2; do for v in main aq; do
+      LIMIT=80 in_tree $v $V3 --gemm-impl fp8 --decode-batches 1,8 --prefill-batches "" --tag "v3cut-fp8-$v-$round" \
+        --out-dir "$R"
+    done; done
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
   prefsuite)  # ~230 s on an H200: the fast GPU suite with raw/s67-scale-prefetch.patch applied (before merging it)
     patch -s -p1 < benchmarks/raw/s67-scale-prefetch.patch && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     patch -s -R -p1 < benchmarks/raw/s67-scale-prefetch.patch
@@ -178,6 +190,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | prefetch | prefsuite | quant | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
+  *) echo "usage: $0 prep | prefetch | prefsuite | quant | aq | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
       "profiles | rotary | slots12 | projections | combo | mla256 | figures" >&2; exit 2 ;;
 esac
