@@ -30,11 +30,11 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 
 def route(logits: jax.Array, bias: jax.Array | None = None, *, topk: int, n_groups: int = 1, topk_groups: int = 1,
           score_func: str = "softmax", route_scale: float = 1.0, normalize: bool = False,
-          block_rows: int = 16) -> tuple[jax.Array, jax.Array]:
+          block_rows: int = 16, num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
     """(weights (M, topk) float32, expert indices (M, topk) int32) of the gate's float32 logits (M, E).
 
     bias: optional float32 (E,), the score-correction bias (selection only). n_groups must divide E;
-    topk <= topk_groups * E / n_groups. block_rows: rows per program (a power of two).
+    topk <= topk_groups * E / n_groups. block_rows: rows per program (a power of two); num_warps: Triton's.
     """
     _check(logits, bias, topk, n_groups, topk_groups, score_func, block_rows)
     m, experts = logits.shape
@@ -58,7 +58,7 @@ def route(logits: jax.Array, bias: jax.Array | None = None, *, topk: int, n_grou
         # so no slice of the results runs after it
         out_shape=(result((m, topk), jnp.float32, vma), result((m, topk), jnp.int32, vma)),
         grid=(cdiv(m, rows),),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=_FN,
     )(*operands)

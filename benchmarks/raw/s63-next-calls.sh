@@ -93,10 +93,11 @@ case "${1:-}" in
   quant)  # ~100 s: act_quant alone at the V3 cut's decode shapes by tile (benchmarks/raw/s68-act-quant-rows.py)
     LIMIT=200 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
     pack ;;
-  aq)  # ~330 s: quant's micro-benchmark, then raw/s68-act-quant-tiles.patch (act_quant's launches of few rows halve
+  aq)  # ~480 s: quant's micro-benchmark, the router's tiles (scripts/sweep_route.py), then raw/s68-act-quant-tiles.patch (act_quant's launches of few rows halve
     # their tiles until a program an SM: the routed down launch's 9 x 2048 at b=1 took ~5.7 us in 6 programs) against
     # main, the V3 cut gemm fp8 b=1 with generate(), b=8, two rounds alternating
     LIMIT=150 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
+    LIMIT=200 in_tree main env PYTHONPATH=.:scripts python3 scripts/sweep_route.py --out "$R/route.json"
     V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
     for round in 1 2; do for v in main aq; do
       LIMIT=80 in_tree $v $V3 --gemm-impl fp8 --decode-batches 1,8 --prefill-batches "" --tag "v3cut-fp8-$v-$round" \
