@@ -39,12 +39,14 @@ case "${1:-}" in
     tree o128 benchmarks/raw/s67-output128.patch tests  # mla_decode_output 128 wide on 8 warps above 64 rows
     tree pref benchmarks/raw/s67-scale-prefetch.patch tests  # fp8 activations' K loops load scales a block ahead
     tree aq benchmarks/raw/s68-act-quant-tiles.patch tests  # act_quant's decode launches: a program an SM
+    tree route benchmarks/raw/s68-route-groups.patch tests  # route: a (groups, experts) tile, argmax rounds
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
     grep -c "def default_output_tiles" .device-data/var-o128/pallas_kernels/mla.py
     grep -c "def scaled_body" .device-data/var-pref/pallas_kernels/grouped.py
-    grep -c "num_sms()" .device-data/var-aq/pallas_kernels/quantize.py ;;
+    grep -c "num_sms()" .device-data/var-aq/pallas_kernels/quantize.py
+    grep -c "def _best_groups_only" .device-data/var-route/pallas_kernels/router.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -93,11 +95,15 @@ case "${1:-}" in
   quant)  # ~100 s: act_quant alone at the V3 cut's decode shapes by tile (benchmarks/raw/s68-act-quant-rows.py)
     LIMIT=200 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
     pack ;;
-  aq)  # ~480 s: quant's micro-benchmark, the router's tiles (scripts/sweep_route.py), then raw/s68-act-quant-tiles.patch (act_quant's launches of few rows halve
+  aq)  # ~420 s: quant's micro-benchmark, the router's tiles on main and raw/s68-route-groups.patch
+    # (scripts/sweep_route.py), then raw/s68-act-quant-tiles.patch (act_quant's launches of few rows halve
     # their tiles until a program an SM: the routed down launch's 9 x 2048 at b=1 took ~5.7 us in 6 programs) against
     # main, the V3 cut gemm fp8 b=1 with generate(), b=8, two rounds alternating
     LIMIT=150 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
-    LIMIT=200 in_tree main env PYTHONPATH=.:scripts python3 scripts/sweep_route.py --out "$R/route.json"
+    for v in main route; do
+      LIMIT=120 in_tree $v env PYTHONPATH=.:scripts python3 scripts/sweep_route.py --batches 1,8,32 --block-rows 1,4,16 \
+        --warps 1,4 --out "$R/route-$v.json"
+    done
     V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
     for round in 1 2; do for v in main aq; do
       LIMIT=80 in_tree $v $V3 --gemm-impl fp8 --decode-batches 1,8 --prefill-batches "" --tag "v3cut-fp8-$v-$round" \
