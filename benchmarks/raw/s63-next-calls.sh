@@ -40,6 +40,7 @@ case "${1:-}" in
     tree pref benchmarks/raw/s67-scale-prefetch.patch tests  # fp8 activations' K loops load scales a block ahead
     tree aq benchmarks/raw/s68-act-quant-tiles.patch tests  # act_quant's decode launches: a program an SM
     tree route benchmarks/raw/s68-route-groups.patch tests  # route: a (groups, experts) tile, argmax rounds
+    tree all benchmarks/raw/s68-all.patch tests  # pref + aq + route (branch s68-all)
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
@@ -95,6 +96,20 @@ case "${1:-}" in
   quant)  # ~100 s: act_quant alone at the V3 cut's decode shapes by tile (benchmarks/raw/s68-act-quant-rows.py)
     LIMIT=200 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
     pack ;;
+  combo68)  # ~450 s, for a short session: act_quant's and the router's micro-benchmarks, then main against `all`
+    # (raw/s68-all.patch: the scale prefetch, act_quant's decode tiles and the grouped-tile router together), the V3
+    # cut gemm fp8 b=1 with generate(), b=8, two rounds alternating
+    LIMIT=100 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
+    for v in main route; do
+      LIMIT=60 in_tree $v env PYTHONPATH=.:scripts python3 scripts/sweep_route.py --routings v3 --batches 1,8 \
+        --block-rows 1,8 --warps 1,4 --out "$R/route-$v.json"
+    done
+    V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
+    for round in 1 2; do for v in main all; do
+      LIMIT=80 in_tree $v $V3 --gemm-impl fp8 --decode-batches 1,8 --prefill-batches "" --tag "v3cut-fp8-$v-$round" \
+        --out-dir "$R"
+    done; done
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
   aq)  # ~420 s: quant's micro-benchmark, the router's tiles on main and raw/s68-route-groups.patch
     # (scripts/sweep_route.py), then raw/s68-act-quant-tiles.patch (act_quant's launches of few rows halve
     # their tiles until a program an SM: the routed down launch's 9 x 2048 at b=1 took ~5.7 us in 6 programs) against
@@ -197,6 +212,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | prefetch | prefsuite | quant | aq | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
+  *) echo "usage: $0 prep | combo68 | prefetch | prefsuite | quant | aq | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
       "profiles | rotary | slots12 | projections | combo | mla256 | figures" >&2; exit 2 ;;
 esac
