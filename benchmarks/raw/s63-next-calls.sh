@@ -125,6 +125,10 @@ case "${1:-}" in
         --out-dir "$R"
     done; done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
+  allsuite)  # ~240 s on an H200: the fast GPU suite with raw/s68-all.patch applied (before merging any of it)
+    patch -s -p1 < benchmarks/raw/s68-all.patch && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
+    patch -s -R -p1 < benchmarks/raw/s68-all.patch
+    grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
   prefsuite)  # ~230 s on an H200: the fast GPU suite with raw/s67-scale-prefetch.patch applied (before merging it)
     patch -s -p1 < benchmarks/raw/s67-scale-prefetch.patch && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     patch -s -R -p1 < benchmarks/raw/s67-scale-prefetch.patch
@@ -212,6 +216,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | combo68 | prefetch | prefsuite | quant | aq | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
+  *) echo "usage: $0 prep | combo68 | allsuite | prefetch | prefsuite | quant | aq | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
       "profiles | rotary | slots12 | projections | combo | mla256 | figures" >&2; exit 2 ;;
 esac
