@@ -96,6 +96,13 @@ case "${1:-}" in
   quant)  # ~100 s: act_quant alone at the V3 cut's decode shapes by tile (benchmarks/raw/s68-act-quant-rows.py)
     LIMIT=200 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
     pack ;;
+  micro68)  # ~150 s: act_quant's and the router's micro-benchmarks alone
+    LIMIT=100 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
+    for v in main route; do
+      LIMIT=60 in_tree $v env PYTHONPATH=.:scripts python3 scripts/sweep_route.py --routings v3 --batches 1,8 \
+        --block-rows 1,8 --warps 1,4 --out "$R/route-$v.json"
+    done
+    pack ;;
   short68)  # ~300 s: combo68 with one round of main against all
     LIMIT=100 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
     for v in main route; do
@@ -228,6 +235,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | short68 | combo68 | allsuite | prefetch | prefsuite | quant | aq | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
+  *) echo "usage: $0 prep | micro68 | short68 | combo68 | allsuite | prefetch | prefsuite | quant | aq | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
       "profiles | rotary | slots12 | projections | combo | mla256 | figures" >&2; exit 2 ;;
 esac
