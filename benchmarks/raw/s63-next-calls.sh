@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-67 prepared for the next one (benchmarks/NOTES.md items 75-82), kept here because
+# The device calls sessions 60-68 prepared for the next one (benchmarks/NOTES.md items 75-82), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
-#   device:  bash benchmarks/raw/s63-next-calls.sh prefetch | prefsuite | suite | mlasplits | output128 |
+#   device:  bash benchmarks/raw/s63-next-calls.sh combo68 (or short68, micro68 with less time) | allsuite |
+#            prefetch | prefsuite | suite | mlasplits | output128 |
 #            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | figures
 #            (in that order of worth; suite (main alone: prefsuite runs main with the prefetch patch) and figures on
 #            an H200; prefetch also times item 82's merge on the V3 cut (pre against main); glue, gluesuite and v3query
@@ -29,6 +30,24 @@ in_tree() {  # NAME COMMAND...: run in a variant tree, its output kept in $R/log
 }
 
 pack() { nvidia-smi --query-gpu=name --format=csv,noheader > "$R/gpu.txt"; tar czf "$R/../r.tgz" -C "$R/.." r; }
+
+micro_s68() {  # act_quant by tile at the V3 cut's decode shapes; the router by rows a program and warps, main and
+  # the grouped-tile router
+  LIMIT=100 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
+  for v in main route; do
+    LIMIT=60 in_tree $v env PYTHONPATH=.:scripts python3 scripts/sweep_route.py --routings v3 --batches 1,8 \
+      --block-rows 1,8 --warps 1,4 --out "$R/route-$v.json"
+  done
+}
+
+v3_main_all() {  # ROUND...: main against `all`, the V3 cut gemm fp8 b=1 with generate(), b=8, a round each
+  local V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
+  for round in "$@"; do for v in main all; do
+    LIMIT=80 in_tree $v $V3 --gemm-impl fp8 --decode-batches 1,8 --prefill-batches "" --tag "v3cut-fp8-$v-$round" \
+      --out-dir "$R"
+  done; done
+  grep "decode b=\|generate b=" "$R/log"
+}
 
 case "${1:-}" in
   prep)
@@ -96,39 +115,12 @@ case "${1:-}" in
   quant)  # ~100 s: act_quant alone at the V3 cut's decode shapes by tile (benchmarks/raw/s68-act-quant-rows.py)
     LIMIT=200 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
     pack ;;
-  micro68)  # ~150 s: act_quant's and the router's micro-benchmarks alone
-    LIMIT=100 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
-    for v in main route; do
-      LIMIT=60 in_tree $v env PYTHONPATH=.:scripts python3 scripts/sweep_route.py --routings v3 --batches 1,8 \
-        --block-rows 1,8 --warps 1,4 --out "$R/route-$v.json"
-    done
-    pack ;;
-  short68)  # ~300 s: combo68 with one round of main against all
-    LIMIT=100 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
-    for v in main route; do
-      LIMIT=60 in_tree $v env PYTHONPATH=.:scripts python3 scripts/sweep_route.py --routings v3 --batches 1,8 \
-        --block-rows 1,8 --warps 1,4 --out "$R/route-$v.json"
-    done
-    V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
-    for v in main all; do
-      LIMIT=80 in_tree $v $V3 --gemm-impl fp8 --decode-batches 1,8 --prefill-batches "" --tag "v3cut-fp8-$v-1" \
-        --out-dir "$R"
-    done
-    grep "decode b=\|generate b=" "$R/log"; pack ;;
+  micro68) micro_s68; pack ;;  # ~150 s: act_quant's and the router's micro-benchmarks alone
+  short68) micro_s68; v3_main_all 1; pack ;;  # ~300 s: combo68 with one round of main against all
   combo68)  # ~450 s, for a short session: act_quant's and the router's micro-benchmarks, then main against `all`
     # (raw/s68-all.patch: the scale prefetch, act_quant's decode tiles and the grouped-tile router together), the V3
     # cut gemm fp8 b=1 with generate(), b=8, two rounds alternating
-    LIMIT=100 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
-    for v in main route; do
-      LIMIT=60 in_tree $v env PYTHONPATH=.:scripts python3 scripts/sweep_route.py --routings v3 --batches 1,8 \
-        --block-rows 1,8 --warps 1,4 --out "$R/route-$v.json"
-    done
-    V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
-    for round in 1 2; do for v in main all; do
-      LIMIT=80 in_tree $v $V3 --gemm-impl fp8 --decode-batches 1,8 --prefill-batches "" --tag "v3cut-fp8-$v-$round" \
-        --out-dir "$R"
-    done; done
-    grep "decode b=\|generate b=" "$R/log"; pack ;;
+    micro_s68; v3_main_all 1 2; pack ;;
   aq)  # ~420 s: quant's micro-benchmark, the router's tiles on main and raw/s68-route-groups.patch
     # (scripts/sweep_route.py), then raw/s68-act-quant-tiles.patch (act_quant's launches of few rows halve
     # their tiles until a program an SM: the routed down launch's 9 x 2048 at b=1 took ~5.7 us in 6 programs) against
