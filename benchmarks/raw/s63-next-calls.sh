@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-68 prepared for the next one (benchmarks/NOTES.md items 75-82), kept here because
+# The device calls sessions 60-68 prepared for the next one (benchmarks/NOTES.md items 75-83), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
-#   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry [".device-data"])
+#   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
+#            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
 #   device:  bash benchmarks/raw/s63-next-calls.sh combo68 (or short68, micro68 with less time) | allsuite |
 #            prefetch | prefsuite | suite | mlasplits | output128 |
 #            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | figures
