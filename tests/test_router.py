@@ -31,13 +31,21 @@ def test_route_compiled_on_gpu():
         check(*case)
 
 
-def check(rows, experts, score_func, with_bias, groups, topk_groups, topk, normalize, scale):
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_rows, num_warps", [(1, 1), (4, 2), (16, 1)])
+def test_route_other_launches_on_gpu(block_rows, num_warps):
+    """The launch shapes scripts/sweep_route.py times, at V3's routing and V2's padded groups."""
+    for case in (CASES[2], CASES[4]):
+        check(*case, block_rows=block_rows, num_warps=num_warps)
+
+
+def check(rows, experts, score_func, with_bias, groups, topk_groups, topk, normalize, scale, **launch):
     rng = np.random.default_rng(rows * 1000 + experts)
     logits = rng.standard_normal((rows, experts)).astype(np.float32) * 2
     bias = rng.standard_normal(experts).astype(np.float32) * 0.1 if with_bias else None
     routing = dict(topk=topk, n_groups=groups, topk_groups=topk_groups, score_func=score_func,
                    route_scale=scale, normalize=normalize)
-    weights, indices = route(jnp.asarray(logits), None if bias is None else jnp.asarray(bias), **routing)
+    weights, indices = route(jnp.asarray(logits), None if bias is None else jnp.asarray(bias), **routing, **launch)
     want_w, want_i = reference_gate(logits, np.eye(experts, dtype=np.float32), bias, score_func, groups,
                                     topk_groups, topk, normalize, scale)
     assert weights.dtype == jnp.float32 and indices.dtype == jnp.int32 and weights.shape == (rows, topk)
