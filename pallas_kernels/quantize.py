@@ -15,8 +15,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._common import (AMAX_FLOOR, BLOCK, FP8, FP8_MAX, cdiv, check_block_size, check_dtype,
-                      check_last_dim, exact_div, fail, interpret_in_shard_map, pow2_at_most,
-                      pow2_ceil, result, rows, use_interpret, vma_union)
+                      check_last_dim, exact_div, fail, interpret_in_shard_map, num_sms,
+                      pow2_at_most, pow2_ceil, result, rows, use_interpret, vma_union)
 from .reference import act_quant_ref
 
 _FN = "act_quant"
@@ -51,15 +51,20 @@ def act_quant(x: jax.Array, block_size: int = BLOCK, scale_fmt: str | None = Non
 
 
 def default_tile(m: int, g: int, itemsize: int) -> tuple[int, int, int]:
-    """(rows, groups, num_warps) per program: 4096 elements (32 per thread), power-of-two sides.
+    """(rows, groups, num_warps) per program, power-of-two sides: 4096 elements (32 per thread) where the launch
+    still has a program an SM; a launch of fewer (decode rows) halves its tiles, rows first, until it has one an SM
+    or one 128-block a program, on fewer warps below 1,024 elements (8 per thread).
 
-    Small tiles won (benchmarks/NOTES.md, "Tilings"): the per-element IEEE division makes the
-    kernel partly ALU-bound, and more, lighter programs hide it better.
+    Small tiles won (benchmarks/NOTES.md, "Tilings"): the per-element IEEE division makes the kernel partly
+    ALU-bound, and more, lighter programs hide it better; in a launch of a few programs each thread's chain of
+    divisions is most of its time.
     """
     del itemsize
     bg = pow2_at_most(g, 8)
     bm = pow2_at_most(m, max(1, 4096 // (bg * BLOCK)))
-    return bm, bg, 4
+    while cdiv(m, bm) * cdiv(g, bg) < num_sms() and bm * bg > 1:
+        bm, bg = (bm // 2, bg) if bm > 1 else (bm, bg // 2)
+    return bm, bg, max(1, min(4, bm * bg * BLOCK // 256))
 
 
 def _act_quant_2d(x3: jax.Array, ue8m0: bool, interpret: bool, tile: tuple[int, int, int] | None = None):

@@ -31,13 +31,16 @@ def test_runs_compiled():
     ((37, 384), jnp.bfloat16),
     ((1, 7168), jnp.float32),
     ((3, 5, 1536), jnp.float16),
+    ((9, 2048), jnp.bfloat16),     # decode rows (the V3 routed down launch's at one token): one-block programs
+    ((1, 16384), jnp.bfloat16),
 ])
 def test_act_quant(rng, shape, dtype, scale_fmt):
     check_act_quant(activations(rng, shape, dtype), scale_fmt)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [(8, 8, 4), (32, 8, 8), (4, 8, 4), (16, 4, 4), (8, 4, 2), (64, 1, 4), (2, 8, 2)])
+@pytest.mark.parametrize("tile", [(8, 8, 4), (32, 8, 8), (4, 8, 4), (16, 4, 4), (8, 4, 2), (64, 1, 4), (2, 8, 2),
+                                  (1, 1, 1), (1, 2, 1), (1, 8, 4)])
 def test_act_quant_bench_tiles(rng, tile):
     check_act_quant(activations(rng, (300, 7168)), None, tile=tile, oracle_numpy=False)
 
