@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-68 prepared for the next one (benchmarks/NOTES.md items 75-83), kept here because
+# The device calls sessions 60-69 prepared for the next one (benchmarks/NOTES.md items 75-84), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh combo68 (or short68, micro68 with less time) | allsuite |
-#            prefetch | prefsuite | suite | mlasplits | output128 |
+#   device:  bash benchmarks/raw/s63-next-calls.sh route69 | route69suite | splits4 | prefetch | prefsuite |
+#            suite | output128 | mlasplits |
 #            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | figures
 #            (in that order of worth; suite (main alone: prefsuite runs main with the prefetch patch) and figures on
 #            an H200; prefetch also times item 82's merge on the V3 cut (pre against main); glue, gluesuite and v3query
@@ -32,22 +32,22 @@ in_tree() {  # NAME COMMAND...: run in a variant tree, its output kept in $R/log
 
 pack() { nvidia-smi --query-gpu=name --format=csv,noheader > "$R/gpu.txt"; tar czf "$R/../r.tgz" -C "$R/.." r; }
 
-micro_s68() {  # act_quant by tile at the V3 cut's decode shapes; the router by rows a program and warps, main and
-  # the grouped-tile router
-  LIMIT=100 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
-  for v in main route; do
-    LIMIT=60 in_tree $v env PYTHONPATH=.:scripts python3 scripts/sweep_route.py --routings v3 --batches 1,8 \
-      --block-rows 1,8 --warps 1,4 --out "$R/route-$v.json"
-  done
+ab() {  # TREE CONFIG BATCHES ROUND...: main against TREE, the decode step and generate() at BATCHES, a round each
+  # (CONFIG "v3cut": the V3 cut gemm fp8; else a config file)
+  local tree=$1 config=$2 batches=$3 cmd; shift 3
+  cmd="python3 scripts/bench_model.py --config $config"
+  [ "$config" != v3cut ] || cmd="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 \
+    --dense-layers 1 --weights fp8 --gemm-impl fp8"
+  for round in "$@"; do for v in main "$tree"; do
+    LIMIT=${AB_LIMIT:-90} in_tree $v $cmd --decode-batches "$batches" --prefill-batches "" \
+      --tag "$(basename "$config" .json)-$v-$round" --out-dir "$R"
+  done; done
 }
 
-v3_main_all() {  # ROUND...: main against `all`, the V3 cut gemm fp8 b=1 with generate(), b=8, a round each
-  local V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
-  for round in "$@"; do for v in main all; do
-    LIMIT=80 in_tree $v $V3 --gemm-impl fp8 --decode-batches 1,8 --prefill-batches "" --tag "v3cut-fp8-$v-$round" \
-      --out-dir "$R"
-  done; done
-  grep "decode b=\|generate b=" "$R/log"
+suite_with() {  # PATCH: the fast GPU suite with PATCH applied to the checkout (before merging it)
+  patch -s -p1 < "$1" && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
+  patch -s -R -p1 < "$1"
+  grep -E "^done|GPU suite" "$R/suite.log"
 }
 
 case "${1:-}" in
@@ -58,16 +58,15 @@ case "${1:-}" in
     tree pre benchmarks/raw/s67-pre-glue.patch  # main before item 82's merge of the glue patch (1a0ada7's kernels)
     tree o128 benchmarks/raw/s67-output128.patch tests  # mla_decode_output 128 wide on 8 warps above 64 rows
     tree pref benchmarks/raw/s67-scale-prefetch.patch tests  # fp8 activations' K loops load scales a block ahead
-    tree aq benchmarks/raw/s68-act-quant-tiles.patch tests  # act_quant's decode launches: a program an SM
-    tree route benchmarks/raw/s68-route-groups.patch tests  # route: a (groups, experts) tile, argmax rounds
-    tree all benchmarks/raw/s68-all.patch tests  # pref + aq + route (branch s68-all)
+    tree r1 benchmarks/raw/s69-route-one-row.patch tests  # route: one row a program on one warp by default
+    tree s4 benchmarks/raw/s69-splits4.patch tests  # mla_decode: at least four splits
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
     grep -c "def default_output_tiles" .device-data/var-o128/pallas_kernels/mla.py
     grep -c "def scaled_body" .device-data/var-pref/pallas_kernels/grouped.py
-    grep -c "num_sms()" .device-data/var-aq/pallas_kernels/quantize.py
-    grep -c "def _best_groups_only" .device-data/var-route/pallas_kernels/router.py ;;
+    grep -c "block_rows: int = 1, num_warps: int = 1" .device-data/var-r1/pallas_kernels/router.py
+    grep -c "MIN_SPLITS = 4" .device-data/var-s4/pallas_kernels/mla.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -113,38 +112,21 @@ case "${1:-}" in
         --tag "v3cut-bf16-$v" --out-dir "$R"
     done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
-  quant)  # ~100 s: act_quant alone at the V3 cut's decode shapes by tile (benchmarks/raw/s68-act-quant-rows.py)
-    LIMIT=200 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
-    pack ;;
-  micro68) micro_s68; pack ;;  # ~150 s: act_quant's and the router's micro-benchmarks alone
-  short68) micro_s68; v3_main_all 1; pack ;;  # ~300 s: combo68 with one round of main against all
-  combo68)  # ~450 s, for a short session: act_quant's and the router's micro-benchmarks, then main against `all`
-    # (raw/s68-all.patch: the scale prefetch, act_quant's decode tiles and the grouped-tile router together), the V3
-    # cut gemm fp8 b=1 with generate(), b=8, two rounds alternating
-    micro_s68; v3_main_all 1 2; pack ;;
-  aq)  # ~420 s: quant's micro-benchmark, the router's tiles on main and raw/s68-route-groups.patch
-    # (scripts/sweep_route.py), then raw/s68-act-quant-tiles.patch (act_quant's launches of few rows halve
-    # their tiles until a program an SM: the routed down launch's 9 x 2048 at b=1 took ~5.7 us in 6 programs) against
-    # main, the V3 cut gemm fp8 b=1 with generate(), b=8, two rounds alternating
-    LIMIT=150 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s68-act-quant-rows.py "$R/act-quant.json"
-    for v in main route; do
-      LIMIT=120 in_tree $v env PYTHONPATH=.:scripts python3 scripts/sweep_route.py --batches 1,8,32 --block-rows 1,4,16 \
-        --warps 1,4 --out "$R/route-$v.json"
-    done
-    V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
-    for round in 1 2; do for v in main aq; do
-      LIMIT=80 in_tree $v $V3 --gemm-impl fp8 --decode-batches 1,8 --prefill-batches "" --tag "v3cut-fp8-$v-$round" \
-        --out-dir "$R"
-    done; done
+  route69)  # ~330 s: the router's launch by rows a program and warps on main (V3's and V2-Lite's routing; item 84:
+    # one row on one warp 3.4 us against the default's 5.6 at b=1, 12.1 at b=8 for V3), then raw/s69-route-one-row.patch
+    # (that launch by default) against main: the V3 cut b=1, 8 and V2-Lite b=1, 8, 32 with generate(), one round
+    LIMIT=90 in_tree main env PYTHONPATH=.:scripts python3 scripts/sweep_route.py --batches 1,8,32 --block-rows 1,16 \
+      --warps 1,4 --out "$R/route-main.json"
+    AB_LIMIT=80 ab r1 v3cut 1,8 1
+    AB_LIMIT=100 ab r1 configs/config_16B.json 1,8,32 1
     grep "decode b=\|generate b=" "$R/log"; pack ;;
-  allsuite)  # ~240 s on an H200: the fast GPU suite with raw/s68-all.patch applied (before merging any of it)
-    patch -s -p1 < benchmarks/raw/s68-all.patch && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
-    patch -s -R -p1 < benchmarks/raw/s68-all.patch
-    grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
-  prefsuite)  # ~230 s on an H200: the fast GPU suite with raw/s67-scale-prefetch.patch applied (before merging it)
-    patch -s -p1 < benchmarks/raw/s67-scale-prefetch.patch && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
-    patch -s -R -p1 < benchmarks/raw/s67-scale-prefetch.patch
-    grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
+  route69suite) suite_with benchmarks/raw/s69-route-one-row.patch; pack ;;  # ~250 s: the fast GPU suite, routed one row
+  splits4)  # ~380 s: raw/s69-splits4.patch (mla_decode at least four splits: item 84's sweep on an H100 had b=128
+    # decode + output 97.9 us at 2 splits against 67.3 at 4, b=256 116.2 against 114.3) against main, V2-Lite b=128
+    # and 256 with generate(), two rounds alternating
+    AB_LIMIT=110 ab s4 configs/config_16B.json 128,256 1 2
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
+  prefsuite) suite_with benchmarks/raw/s67-scale-prefetch.patch; pack ;;  # ~250 s: the suite with the prefetch
   output128)  # ~380 s: raw/s67-output128.patch (mla_decode_output's V tiles 128 wide on 8 warps above 64 rows,
     # where item 82's sweep had 128 wide on 4 warps (which spill 52 bytes) 17.2 against 22.2 us at b=128, 23.4
     # against 25.3 at b=256) against main, V2-Lite b=128 and 256 with generate(), two rounds alternating
@@ -228,6 +210,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | micro68 | short68 | combo68 | allsuite | prefetch | prefsuite | quant | aq | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
+  *) echo "usage: $0 prep | route69 | route69suite | splits4 | prefetch | prefsuite | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
       "profiles | rotary | slots12 | projections | combo | mla256 | figures" >&2; exit 2 ;;
 esac
