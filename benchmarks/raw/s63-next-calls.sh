@@ -121,10 +121,11 @@ case "${1:-}" in
     AB_LIMIT=100 ab r1 configs/config_16B.json 1,8,32 1
     grep "decode b=\|generate b=" "$R/log"; pack ;;
   route69suite) suite_with benchmarks/raw/s69-route-one-row.patch; pack ;;  # ~250 s: the fast GPU suite, routed one row
-  splits4)  # ~380 s: raw/s69-splits4.patch (mla_decode at least four splits: item 84's sweep on an H100 had b=128
+  splits4)  # ~460 s: raw/s69-splits4.patch (mla_decode at least four splits: item 84's sweep on an H100 had b=128
     # decode + output 97.9 us at 2 splits against 67.3 at 4, b=256 116.2 against 114.3) against main, V2-Lite b=128
-    # and 256 with generate(), two rounds alternating
+    # and 256 with generate(), two rounds alternating, then the V3 cut b=16 (128 heads: 4 splits, 2 on main)
     AB_LIMIT=110 ab s4 configs/config_16B.json 128,256 1 2
+    AB_LIMIT=80 ab s4 v3cut 16 1
     grep "decode b=\|generate b=" "$R/log"; pack ;;
   prefsuite) suite_with benchmarks/raw/s67-scale-prefetch.patch; pack ;;  # ~250 s: the suite with the prefetch
   output128)  # ~380 s: raw/s67-output128.patch (mla_decode_output's V tiles 128 wide on 8 warps above 64 rows,
