@@ -3,7 +3,8 @@
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh route69 | route69suite | splits4 | prefetch | prefsuite |
+#   device:  bash benchmarks/raw/s63-next-calls.sh route69 | route69suite | splits4 | prefetch | weightfirst |
+#            prefsuite |
 #            suite | output128 | mlasplits |
 #            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | figures
 #            (in that order of worth; suite (main alone: prefsuite runs main with the prefetch patch) and figures on
@@ -60,13 +61,15 @@ case "${1:-}" in
     tree pref benchmarks/raw/s67-scale-prefetch.patch tests  # fp8 activations' K loops load scales a block ahead
     tree r1 benchmarks/raw/s69-route-one-row.patch tests  # route: one row a program on one warp by default
     tree s4 benchmarks/raw/s69-splits4.patch tests  # mla_decode: at least four splits
+    tree ow benchmarks/raw/s69-output-weight-first.patch tests  # mla_decode_output: b=1 loads its weights first
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
     grep -c "def default_output_tiles" .device-data/var-o128/pallas_kernels/mla.py
     grep -c "def scaled_body" .device-data/var-pref/pallas_kernels/grouped.py
     grep -c "block_rows: int = 1, num_warps: int = 1" .device-data/var-r1/pallas_kernels/router.py
-    grep -c "MIN_SPLITS = 4" .device-data/var-s4/pallas_kernels/mla.py ;;
+    grep -c "MIN_SPLITS = 4" .device-data/var-s4/pallas_kernels/mla.py
+    grep -c "def _value_block" .device-data/var-ow/pallas_kernels/mla.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -127,6 +130,19 @@ case "${1:-}" in
     AB_LIMIT=110 ab s4 configs/config_16B.json 128,256 1 2
     AB_LIMIT=80 ab s4 v3cut 16 1
     grep "decode b=\|generate b=" "$R/log"; pack ;;
+  weightfirst)  # ~410 s: raw/s69-output-weight-first.patch (mla_decode_output's one-row programs issue their V
+    # block's weight and scale loads before the merge, on main after it: a dependent load after the merge) against
+    # main: the output launch alone at b=1 (V2-Lite bf16, the V3 shape fp8), then V2-Lite b=1 two rounds and the V3
+    # cut b=1, with generate()
+    for v in main ow; do
+      LIMIT=60 in_tree $v python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json --batches 1 \
+        --kernels output --output-tiles '[{}]' --split-blocks 64 --repeats 10
+      LIMIT=60 in_tree $v python3 scripts/sweep_mla_tiles.py --config configs/config_671B.json --layers 4 --batches 1 \
+        --kernels output --output-tiles '[{}]' --split-blocks 64 --repeats 10 --wkv-b fp8
+    done
+    AB_LIMIT=70 ab ow configs/config_16B.json 1 1 2
+    AB_LIMIT=70 ab ow v3cut 1 1
+    grep "decode b=\|generate b=\|mla_decode_output" "$R/log"; pack ;;
   prefsuite) suite_with benchmarks/raw/s67-scale-prefetch.patch; pack ;;  # ~250 s: the suite with the prefetch
   output128)  # ~380 s: raw/s67-output128.patch (mla_decode_output's V tiles 128 wide on 8 warps above 64 rows,
     # where item 82's sweep had 128 wide on 4 warps (which spill 52 bytes) 17.2 against 22.2 us at b=128, 23.4
@@ -211,6 +227,6 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | route69 | route69suite | splits4 | prefetch | prefsuite | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
+  *) echo "usage: $0 prep | route69 | route69suite | splits4 | prefetch | weightfirst | prefsuite | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
       "profiles | rotary | slots12 | projections | combo | mla256 | figures" >&2; exit 2 ;;
 esac
