@@ -13,8 +13,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kernel_checks import (FP8, GM, activations, check_act_quant, check_fp8_gemm, check_weight_dequant,
                            fp8_weight, gemm_operands, gemm_tolerance, numpy_act_quant, numpy_gemm, rel_l2)
-from pallas_kernels import GemmConfig, act_quant, fp8_gemm, quantize as AQ, weight_dequant
+from pallas_kernels import GemmConfig, act_quant, fp8_gemm, weight_dequant
 from pallas_kernels._common import num_sms
+from pallas_kernels.quantize import default_tile
 from pallas_kernels.reference import act_quant_ref, fp8_gemm_ref, weight_dequant_ref
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -44,7 +45,7 @@ def test_act_quant_other_tiles(rng, tile):
 def test_act_quant_launches_fill_the_sms_at_decode_rows(m, g):
     """A launch of few rows (decode) still has a program an SM, or one 128-block a program, and no thread more than
     32 elements; large launches keep 4,096-element tiles."""
-    bm, bg, warps = AQ.default_tile(m, g, 2)
+    bm, bg, warps = default_tile(m, g, 2)
     programs = -(-m // bm) * -(-g // bg)
     assert programs >= min(num_sms(), m * g), (bm, bg, programs)
     assert bm * bg * 128 <= 32 * 32 * warps, (bm, bg, warps)
