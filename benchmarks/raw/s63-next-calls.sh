@@ -115,6 +115,14 @@ case "${1:-}" in
         --tag "v3cut-bf16-$v" --out-dir "$R"
     done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
+  prefetch2)  # ~300 s: `prefetch` without the `pre` tree or the bf16 control: main against pref, the V3 cut gemm fp8
+    # b=1 with generate(), b=8, 16, two rounds alternating
+    AB_LIMIT=90 ab pref v3cut 1,8,16 1 2
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
+  splits4one)  # ~240 s: `splits4`'s first round alone (V2-Lite b=128, 256; the V3 cut b=16 step)
+    AB_LIMIT=110 ab s4 configs/config_16B.json 128,256 1
+    AB_LIMIT=80 ab s4 v3cut 16 1
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
   route69)  # ~400 s: the router's launch by rows a program and warps on main (V3's and V2-Lite's routing; item 84:
     # one row on one warp 3.4 us against the default's 5.6 at b=1, 12.1 at b=8 for V3), then raw/s69-route-one-row.patch
     # (that launch by default) against main: the V3 cut b=1, 8 and V2-Lite b=1, 8, 32 with generate(), one round
@@ -143,6 +151,8 @@ case "${1:-}" in
     AB_LIMIT=70 ab ow configs/config_16B.json 1 1 2
     AB_LIMIT=70 ab ow v3cut 1 1
     grep "decode b=\|generate b=\|mla_decode_output" "$R/log"; pack ;;
+  routeprefsuite) suite_with benchmarks/raw/s70-route-prefetch.patch; pack ;;  # ~250 s: the suite with both the
+    # router's one-row launch and the scale prefetch (independent files: one green run covers either merge)
   prefsuite) suite_with benchmarks/raw/s67-scale-prefetch.patch; pack ;;  # ~250 s: the suite with the prefetch
   output128)  # ~380 s: raw/s67-output128.patch (mla_decode_output's V tiles 128 wide on 8 warps above 64 rows,
     # where item 82's sweep had 128 wide on 4 warps (which spill 52 bytes) 17.2 against 22.2 us at b=128, 23.4
