@@ -30,11 +30,14 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 
 def route(logits: jax.Array, bias: jax.Array | None = None, *, topk: int, n_groups: int = 1, topk_groups: int = 1,
           score_func: str = "softmax", route_scale: float = 1.0, normalize: bool = False,
-          block_rows: int = 16, num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
+          block_rows: int = 1, num_warps: int = 1) -> tuple[jax.Array, jax.Array]:
     """(weights (M, topk) float32, expert indices (M, topk) int32) of the gate's float32 logits (M, E).
 
     bias: optional float32 (E,), the score-correction bias (selection only). n_groups must divide E;
     topk <= topk_groups * E / n_groups. block_rows: rows per program (a power of two); num_warps: Triton's.
+    By default a program routes one row on one warp: a row's few hundred scores fit one warp's registers, so
+    the ~k rounds of reductions need no barrier between warps, and a decode step's rows (at most
+    `dsv3_jax.model.moe.ROUTER_KERNEL_MAX_TOKENS` where `auto` runs the kernel) are as many programs.
     """
     _check(logits, bias, topk, n_groups, topk_groups, score_func, block_rows)
     m, experts = logits.shape

@@ -32,9 +32,10 @@ def test_route_compiled_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_rows, num_warps", [(1, 1), (4, 2), (16, 1)])
+@pytest.mark.parametrize("block_rows, num_warps", [(16, 4), (4, 2), (16, 1)])
 def test_route_other_launches_on_gpu(block_rows, num_warps):
-    """The launch shapes scripts/sweep_route.py times, at V3's routing and V2's padded groups."""
+    """Launch shapes other than the default (one row a program on one warp) that scripts/sweep_route.py times,
+    at V3's routing and V2's padded groups."""
     for case in (CASES[2], CASES[4]):
         check(*case, block_rows=block_rows, num_warps=num_warps)
 
