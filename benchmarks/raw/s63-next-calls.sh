@@ -119,6 +119,9 @@ case "${1:-}" in
     # b=1 with generate(), b=8, 16, two rounds alternating
     AB_LIMIT=90 ab pref v3cut 1,8,16 1 2
     grep "decode b=\|generate b=" "$R/log"; pack ;;
+  prefetch1)  # ~200 s: `prefetch2`'s first round at b=1 and 8 alone
+    AB_LIMIT=95 ab pref v3cut 1,8 1
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
   splits4one)  # ~240 s: `splits4`'s first round alone (V2-Lite b=128, 256; the V3 cut b=16 step)
     AB_LIMIT=110 ab s4 configs/config_16B.json 128,256 1
     AB_LIMIT=80 ab s4 v3cut 16 1
