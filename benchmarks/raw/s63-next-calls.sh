@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-69 prepared for the next one (benchmarks/NOTES.md items 75-84), kept here because
+# The device calls sessions 60-70 prepared for the next one (benchmarks/NOTES.md items 75-85), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh route69 | route69suite | splits4 | prefetch | weightfirst |
-#            prefsuite |
-#            suite | output128 | mlasplits |
-#            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | figures
-#            (in that order of worth; suite (main alone: prefsuite runs main with the prefetch patch) and figures on
-#            an H200; prefetch also times item 82's merge on the V3 cut (pre against main); glue, gluesuite and v3query
-#            ran in item 82, proj256, mla256 and profv3 in item 81)
+#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | splits4 (or splits4one) | prefetch2 |
+#            weightfirst | prefsuite | output128 | mlasplits |
+#            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | prefetch
+#            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
+#            act_quant and router merges of items 84-85 are untimed there); prefetch2 on an H200 (item 85: no gain
+#            on an H100); prefetch also times item 82's merge on the V3 cut (pre against main); route69, its suite and
+#            prefetch1 ran in item 85, glue, gluesuite and v3query in item 82, proj256, mla256 and profv3 in item 81)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -59,7 +59,6 @@ case "${1:-}" in
     tree pre benchmarks/raw/s67-pre-glue.patch  # main before item 82's merge of the glue patch (1a0ada7's kernels)
     tree o128 benchmarks/raw/s67-output128.patch tests  # mla_decode_output 128 wide on 8 warps above 64 rows
     tree pref benchmarks/raw/s67-scale-prefetch.patch tests  # fp8 activations' K loops load scales a block ahead
-    tree r1 benchmarks/raw/s69-route-one-row.patch tests  # route: one row a program on one warp by default
     tree s4 benchmarks/raw/s69-splits4.patch tests  # mla_decode: at least four splits
     tree ow benchmarks/raw/s69-output-weight-first.patch tests  # mla_decode_output: b=1 loads its weights first
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
@@ -67,7 +66,6 @@ case "${1:-}" in
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
     grep -c "def default_output_tiles" .device-data/var-o128/pallas_kernels/mla.py
     grep -c "def scaled_body" .device-data/var-pref/pallas_kernels/grouped.py
-    grep -c "block_rows: int = 1, num_warps: int = 1" .device-data/var-r1/pallas_kernels/router.py
     grep -c "MIN_SPLITS = 4" .device-data/var-s4/pallas_kernels/mla.py
     grep -c "def _value_block" .device-data/var-ow/pallas_kernels/mla.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
@@ -119,22 +117,10 @@ case "${1:-}" in
     # b=1 with generate(), b=8, 16, two rounds alternating
     AB_LIMIT=90 ab pref v3cut 1,8,16 1 2
     grep "decode b=\|generate b=" "$R/log"; pack ;;
-  prefetch1)  # ~200 s: `prefetch2`'s first round at b=1 and 8 alone
-    AB_LIMIT=95 ab pref v3cut 1,8 1
-    grep "decode b=\|generate b=" "$R/log"; pack ;;
   splits4one)  # ~240 s: `splits4`'s first round alone (V2-Lite b=128, 256; the V3 cut b=16 step)
     AB_LIMIT=110 ab s4 configs/config_16B.json 128,256 1
     AB_LIMIT=80 ab s4 v3cut 16 1
     grep "decode b=\|generate b=" "$R/log"; pack ;;
-  route69)  # ~400 s: the router's launch by rows a program and warps on main (V3's and V2-Lite's routing; item 84:
-    # one row on one warp 3.4 us against the default's 5.6 at b=1, 12.1 at b=8 for V3), then raw/s69-route-one-row.patch
-    # (that launch by default) against main: the V3 cut b=1, 8 and V2-Lite b=1, 8, 32 with generate(), one round
-    LIMIT=90 in_tree main env PYTHONPATH=.:scripts python3 scripts/sweep_route.py --batches 1,8,32 --block-rows 1,16 \
-      --warps 1,4 --out "$R/route-main.json"
-    AB_LIMIT=80 ab r1 v3cut 1,8 1
-    AB_LIMIT=130 ab r1 configs/config_16B.json 1,8,32 1
-    grep "decode b=\|generate b=" "$R/log"; pack ;;
-  route69suite) suite_with benchmarks/raw/s69-route-one-row.patch; pack ;;  # ~250 s: the fast GPU suite, routed one row
   splits4)  # ~460 s: raw/s69-splits4.patch (mla_decode at least four splits: item 84's sweep on an H100 had b=128
     # decode + output 97.9 us at 2 splits against 67.3 at 4, b=256 116.2 against 114.3) against main, V2-Lite b=128
     # and 256 with generate(), two rounds alternating, then the V3 cut b=16 (128 heads: 4 splits, 2 on main)
@@ -154,8 +140,6 @@ case "${1:-}" in
     AB_LIMIT=70 ab ow configs/config_16B.json 1 1 2
     AB_LIMIT=70 ab ow v3cut 1 1
     grep "decode b=\|generate b=\|mla_decode_output" "$R/log"; pack ;;
-  routeprefsuite) suite_with benchmarks/raw/s70-route-prefetch.patch; pack ;;  # ~250 s: the suite with both the
-    # router's one-row launch and the scale prefetch (independent files: one green run covers either merge)
   prefsuite) suite_with benchmarks/raw/s67-scale-prefetch.patch; pack ;;  # ~250 s: the suite with the prefetch
   output128)  # ~380 s: raw/s67-output128.patch (mla_decode_output's V tiles 128 wide on 8 warps above 64 rows,
     # where item 82's sweep had 128 wide on 4 warps (which spill 52 bytes) 17.2 against 22.2 us at b=128, 23.4
@@ -240,6 +224,7 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | route69 | route69suite | splits4 | prefetch | weightfirst | prefsuite | suite | mlasplits | output128 | tiles256 | profile256 | v3slots | rowsplit | profv3 |" \
-      "profiles | rotary | slots12 | projections | combo | mla256 | figures" >&2; exit 2 ;;
+  *) echo "usage: $0 prep | suite | figures | splits4 | splits4one | prefetch2 | weightfirst | prefsuite | output128" \
+      "| mlasplits | tiles256 | profile256 | v3slots | rowsplit | profv3 | prefetch | profiles | rotary | slots12" \
+      "| projections | combo | mla256" >&2; exit 2 ;;
 esac
