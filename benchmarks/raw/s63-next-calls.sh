@@ -3,7 +3,7 @@
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | splits4 (or splits4one) | prefetch2 |
+#   device:  bash benchmarks/raw/s63-next-calls.sh persistent | suite | figures | splits4 (or splits4one) | prefetch2 |
 #            weightfirst | prefsuite | output128 | mlasplits |
 #            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | prefetch
 #            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
@@ -113,6 +113,12 @@ case "${1:-}" in
         --tag "v3cut-bf16-$v" --out-dir "$R"
     done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
+  persistent)  # ~150 s: raw/s70-persistent-swiglu.py, the "fused" swiglu launch at V2-Lite b=256 alone (main's, one
+    # program a tile) against a persistent prototype whose one flattened (tile, K step) loop pipelines through tile
+    # boundaries, by tile, stages and programs an SM (item 85; the routed launches run at ~3.7 TB/s at b=256)
+    LIMIT=280 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s70-persistent-swiglu.py \
+      "$R/persistent.json"
+    pack ;;
   prefetch2)  # ~300 s: `prefetch` without the `pre` tree or the bf16 control: main against pref, the V3 cut gemm fp8
     # b=1 with generate(), b=8, 16, two rounds alternating
     AB_LIMIT=90 ab pref v3cut 1,8,16 1 2
@@ -224,7 +230,7 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | suite | figures | splits4 | splits4one | prefetch2 | weightfirst | prefsuite | output128" \
+  *) echo "usage: $0 prep | persistent | suite | figures | splits4 | splits4one | prefetch2 | weightfirst | prefsuite | output128" \
       "| mlasplits | tiles256 | profile256 | v3slots | rowsplit | profv3 | prefetch | profiles | rotary | slots12" \
       "| projections | combo | mla256" >&2; exit 2 ;;
 esac
