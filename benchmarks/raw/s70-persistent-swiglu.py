@@ -6,7 +6,8 @@ in ONE flattened loop over (tile, K step), so Triton's software pipeline runs th
 groups in flight across them) and no program waits on a fill but its first. The tile table is loaded once, as one
 packed int32 vector (group << 24 | first row << 12 | end row), and each step picks its tile by a masked sum:
 a scalar load of the table inside the loop would put a dependent global load before the step's copies, and Triton
-then does not pipeline them at all (PTX: `cp.async.wait_group 0` in the loop, checked on the CPU).
+then does not pipeline them at all (PTX: `cp.async.wait_group 0` in the loop, checked on the CPU). Also timed:
+the same kernel with a program a tile (main's structure, to tell the two effects apart) and K steps of 256.
     cd <tree> && PYTHONPATH=.:scripts python3 <this> OUT.json
 Prints one JSON line a launch: µs (trace), TB/s of its weight bytes, and the largest difference from main's output."""
 import functools
@@ -23,13 +24,12 @@ from pallas_kernels._common import num_sms
 from pallas_kernels.grouped import grouped_gemm_swiglu
 from profile_step import launch_us
 
-BK = 128
 LAYERS, REPEATS = 6, 5
 GROUPS, INTER, DIM, TOKENS, TOPK, SHARED_ROWS = 66, 1408, 2048, 256, 6, 256
 
 
 def _kernel(layer_ref, table_ref, x_ref, w1_ref, w3_ref, o_ref, *, items, col_blocks, ksteps, block_m, block_n,
-            programs):
+            block_k, programs):
     pid = pl.program_id(0)
     layer = layer_ref[0]
     packed = table_ref[...]
@@ -42,8 +42,8 @@ def _kernel(layer_ref, table_ref, x_ref, w1_ref, w3_ref, o_ref, *, items, col_bl
         entry = jnp.sum(jnp.where(tiles == tile, packed, 0))
         group, row0, row_end = entry >> 24, (entry >> 12) & 4095, entry & 4095
         ok = row0 + jnp.arange(block_m) < row_end
-        x = plgpu.load(x_ref.at[pl.ds(row0, block_m), pl.ds(kb * BK, BK)], mask=ok[:, None], other=0)
-        cols, ks = pl.ds(j * block_n, block_n), pl.ds(kb * BK, BK)
+        cols, ks = pl.ds(j * block_n, block_n), pl.ds(kb * block_k, block_k)
+        x = plgpu.load(x_ref.at[pl.ds(row0, block_m), ks], mask=ok[:, None], other=0)
         dims = (((1,), (1,)), ((), ()))
         first = kb == 0
         a1, a3 = (jnp.where(first, 0.0, acc)
@@ -72,13 +72,15 @@ def packed_tiles(sizes, block_m: int) -> np.ndarray:
     return np.asarray(out + [0] * ((1 << (len(out) - 1).bit_length()) - len(out)), np.int32)
 
 
-def persistent_swiglu(x, w1, w3, packed, tiles: int, layer, *, block_m=32, block_n=64, programs=264, num_warps=4,
-                      num_stages=3, interpret=None):
+def persistent_swiglu(x, w1, w3, packed, tiles: int, layer, *, block_m=32, block_n=64, block_k=128, programs=264,
+                      num_warps=4, num_stages=3, interpret=None):
     m, k = x.shape
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
     col_blocks = w1.shape[-2] // block_n
-    kernel = functools.partial(_kernel, items=tiles * col_blocks, col_blocks=col_blocks, ksteps=k // BK,
-                               block_m=block_m, block_n=block_n, programs=programs)
+    programs = min(programs, tiles * col_blocks)
+    kernel = functools.partial(_kernel, items=tiles * col_blocks, col_blocks=col_blocks, ksteps=k // block_k,
+                               block_m=block_m, block_n=block_n, block_k=block_k,
+                               programs=programs)
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, w1.shape[-2]), x.dtype), grid=(programs,),
                           compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
                           name="persistent_swiglu", interpret=interpret)(jnp.reshape(layer, (1,)), packed, x, w1, w3)
@@ -108,23 +110,28 @@ def main():
     operands = (x, w1, w3, group_sizes)
     report("main 32 x 64, 3 stages", launch_us("grouped_gemm_swiglu", main_fn, LAYERS, REPEATS, operands))
     sms = num_sms()
-    # (block_m, block_n, stages, programs an SM): as many as the stages' shared memory lets stay resident (Triton
-    # keeps stages - 1 buffers: 32 x 64 at 3 stages 82 KB, at 4 122 KB; 32 x 32 at 4 74 KB; 32 x 128 at 3 146 KB)
-    for block_m, block_n, stages, per_sm in [(32, 64, 3, 2), (32, 64, 3, 1), (32, 64, 4, 1), (32, 32, 4, 3),
-                                             (32, 128, 3, 1)]:
+    # (block_m, block_n, block_k, stages, programs an SM; None: a program a tile, as main's launch): as many as the
+    # stages' shared memory lets stay resident (Triton keeps stages - 1 buffers: 32 x 64 x 128 at 3 stages 82 KB,
+    # at 4 122 KB; 32 x 32 x 128 at 4 74 KB; 32 x 128 x 128 at 3 146 KB; 32 x 32 x 256 at 3 98 KB). block_k 256
+    # reads each weight row in 512-byte runs a step, not 256 (main's K step is the fp8 scale block, 128)
+    for block_m, block_n, block_k, stages, per_sm in [
+            (32, 64, 128, 3, None), (32, 64, 128, 3, 2), (32, 64, 128, 3, 1), (32, 64, 128, 4, 1),
+            (32, 32, 128, 4, 3), (32, 128, 128, 3, 1), (32, 32, 256, 3, None), (32, 32, 256, 3, 2)]:
         packed = jnp.asarray(packed_tiles(sizes, block_m))
         tiles = int(sum(-(-s // block_m) for s in sizes))
-        launch = dict(block_m=block_m, block_n=block_n, stages=stages, programs=sms * per_sm)
+        launch = dict(block_m=block_m, block_n=block_n, block_k=block_k, stages=stages,
+                      programs=tiles * (INTER // block_n) if per_sm is None else sms * per_sm)
         fn = lambda layer, ops, launch=launch, packed=packed, tiles=tiles: persistent_swiglu(
             ops[0], ops[1], ops[2], packed, tiles, layer, block_m=launch["block_m"], block_n=launch["block_n"],
-            programs=launch["programs"], num_stages=launch["stages"])
+            block_k=launch["block_k"], programs=launch["programs"], num_stages=launch["stages"])
         try:
             got = np.asarray(jax.jit(fn)(jnp.int32(1), (x, w1, w3)), np.float32)
             us = launch_us("persistent_swiglu", fn, LAYERS, REPEATS, (x, w1, w3))
         except Exception as e:  # noqa: BLE001 - a launch that fails to compile is reported, not fatal
             print(json.dumps(dict(error=f"{type(e).__name__}: {str(e)[:300]}", **launch)), flush=True)
             continue
-        report("persistent", us, max_diff=float(np.abs(got - want).max()), max_out=float(np.abs(want).max()), **launch)
+        diff = dict(max_diff=float(np.abs(got - want).max()), max_out=float(np.abs(want).max()))
+        report("a program a tile" if per_sm is None else "persistent", us, **diff, **launch)
     json.dump(results, open(sys.argv[1] if len(sys.argv) > 1 else "/dev/null", "w"), indent=1)
 
 
