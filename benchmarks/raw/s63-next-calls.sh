@@ -4,8 +4,9 @@
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
 #   device:  bash benchmarks/raw/s63-next-calls.sh persistent | suite | figures | splits4 (or splits4one) | prefetch2 |
-#            weightfirst | prefsuite | output128 | mlasplits |
-#            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | prefetch
+#            prefsuite | output128 | mlasplits |
+#            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | prefetch |
+#            weightfirst (item 72 measured the same order, branch s56-output-weights-first, as no gain)
 #            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
 #            act_quant and router merges of items 84-85 are untimed there); prefetch2 on an H200 (item 85: no gain
 #            on an H100); prefetch also times item 82's merge on the V3 cut (pre against main); route69, its suite and
