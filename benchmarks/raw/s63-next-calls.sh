@@ -3,7 +3,7 @@
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh persistent | suite | figures | splits4 (or splits4one) | prefetch2 |
+#   device:  bash benchmarks/raw/s63-next-calls.sh persistent | kblocks | suite | figures | splits4 (or splits4one) | prefetch2 |
 #            prefsuite | output128 | mlasplits |
 #            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | prefetch |
 #            weightfirst (item 72 measured the same order, branch s56-output-weights-first, as no gain)
@@ -62,13 +62,15 @@ case "${1:-}" in
     tree pref benchmarks/raw/s67-scale-prefetch.patch tests  # fp8 activations' K loops load scales a block ahead
     tree s4 benchmarks/raw/s69-splits4.patch tests  # mla_decode: at least four splits
     tree ow benchmarks/raw/s69-output-weight-first.patch tests  # mla_decode_output: b=1 loads its weights first
+    tree kb benchmarks/raw/s70-k-blocks.patch tests  # the grouped kernels' K steps of k_blocks 128-column blocks
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
     grep -c "def default_output_tiles" .device-data/var-o128/pallas_kernels/mla.py
     grep -c "def scaled_body" .device-data/var-pref/pallas_kernels/grouped.py
     grep -c "MIN_SPLITS = 4" .device-data/var-s4/pallas_kernels/mla.py
-    grep -c "def _value_block" .device-data/var-ow/pallas_kernels/mla.py ;;
+    grep -c "def _value_block" .device-data/var-ow/pallas_kernels/mla.py
+    grep -c "k_blocks: int = 1" .device-data/var-kb/pallas_kernels/grouped.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -119,6 +121,15 @@ case "${1:-}" in
     # boundaries, by tile, stages and programs an SM (item 85; the routed launches run at ~3.7 TB/s at b=256)
     LIMIT=280 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s70-persistent-swiglu.py \
       "$R/persistent.json"
+    pack ;;
+  kblocks)  # ~200 s: raw/s70-k-blocks.patch's k_blocks (K blocks a pipeline step: each weight row read in runs of
+    # 128 k_blocks elements a step, against 128 fp8 bytes / 256 bf16 bytes on main) alone: the V3 cut's b=1 slot
+    # launches (fp8 activations: the swiglu one at ~3.0 TB/s in item 81) and V2-Lite b=256's sorted ones
+    LIMIT=200 in_tree kb python3 scripts/bench_grouped_decode.py --batches 1 --block-n 32,128 --warps 4 --stages 3 \
+      --k-blocks 1,2,4 --forms fp8 --max-sets 8 --out-dir "$R"
+    LIMIT=200 in_tree kb python3 scripts/bench_grouped_decode.py --weights bf16 --shape 64,6,1408,2048 \
+      --shared-chunks 2 --layout sorted --batches 256 --block-m 32 --block-n 32,64 --warps 4 --stages 3 \
+      --k-blocks 1,2 --max-sets 4 --out-dir "$R"
     pack ;;
   prefetch2)  # ~300 s: `prefetch` without the `pre` tree or the bf16 control: main against pref, the V3 cut gemm fp8
     # b=1 with generate(), b=8, 16, two rounds alternating
@@ -231,7 +242,7 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | persistent | suite | figures | splits4 | splits4one | prefetch2 | weightfirst | prefsuite | output128" \
+  *) echo "usage: $0 prep | persistent | kblocks | suite | figures | splits4 | splits4one | prefetch2 | weightfirst | prefsuite | output128" \
       "| mlasplits | tiles256 | profile256 | v3slots | rowsplit | profv3 | prefetch | profiles | rotary | slots12" \
       "| projections | combo | mla256" >&2; exit 2 ;;
 esac
