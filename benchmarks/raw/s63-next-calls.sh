@@ -3,7 +3,7 @@
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh persistent | kblocks | suite | figures | splits4 (or splits4one) | prefetch2 |
+#   device:  bash benchmarks/raw/s63-next-calls.sh micro70 (persistent, kblocks) | suite | figures | splits4 (or splits4one) | prefetch2 |
 #            prefsuite | output128 | mlasplits |
 #            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | prefetch |
 #            weightfirst (item 72 measured the same order, branch s56-output-weights-first, as no gain)
@@ -116,6 +116,7 @@ case "${1:-}" in
         --tag "v3cut-bf16-$v" --out-dir "$R"
     done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
+  micro70) bash "$0" persistent && bash "$0" kblocks ;;  # ~380 s: both of item 85's micro-benchmarks in one call
   persistent)  # ~150 s: raw/s70-persistent-swiglu.py, the "fused" swiglu launch at V2-Lite b=256 alone (main's, one
     # program a tile) against a persistent prototype whose one flattened (tile, K step) loop pipelines through tile
     # boundaries, by tile, stages and programs an SM (item 85; the routed launches run at ~3.7 TB/s at b=256)
@@ -242,7 +243,7 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | persistent | kblocks | suite | figures | splits4 | splits4one | prefetch2 | weightfirst | prefsuite | output128" \
+  *) echo "usage: $0 prep | micro70 | persistent | kblocks | suite | figures | splits4 | splits4one | prefetch2 | weightfirst | prefsuite | output128" \
       "| mlasplits | tiles256 | profile256 | v3slots | rowsplit | profv3 | prefetch | profiles | rotary | slots12" \
       "| projections | combo | mla256" >&2; exit 2 ;;
 esac
