@@ -3,7 +3,8 @@
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh micro70 (persistent, kblocks) | suite | figures | splits4 (or splits4one) | prefetch2 |
+#   device:  bash benchmarks/raw/s63-next-calls.sh micro70 (persistent, kblocks) | kbmodel (if kblocks pays) |
+#            suite | figures | splits4 (or splits4one) | prefetch2 |
 #            prefsuite | output128 | mlasplits |
 #            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | prefetch |
 #            weightfirst (item 72 measured the same order, branch s56-output-weights-first, as no gain)
@@ -63,6 +64,7 @@ case "${1:-}" in
     tree s4 benchmarks/raw/s69-splits4.patch tests  # mla_decode: at least four splits
     tree ow benchmarks/raw/s69-output-weight-first.patch tests  # mla_decode_output: b=1 loads its weights first
     tree kb benchmarks/raw/s70-k-blocks.patch tests  # the grouped kernels' K steps of k_blocks 128-column blocks
+    tree kbm benchmarks/raw/s70-k-blocks-model.patch tests  # and the model's fp8 decode launches two blocks a step
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
@@ -70,7 +72,8 @@ case "${1:-}" in
     grep -c "def scaled_body" .device-data/var-pref/pallas_kernels/grouped.py
     grep -c "MIN_SPLITS = 4" .device-data/var-s4/pallas_kernels/mla.py
     grep -c "def _value_block" .device-data/var-ow/pallas_kernels/mla.py
-    grep -c "k_blocks: int = 1" .device-data/var-kb/pallas_kernels/grouped.py ;;
+    grep -c "k_blocks: int = 1" .device-data/var-kb/pallas_kernels/grouped.py
+    grep -c "FP8_DECODE_K_BLOCKS = 2" .device-data/var-kbm/dsv3_jax/model/moe.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -132,6 +135,15 @@ case "${1:-}" in
       --shared-chunks 2 --layout sorted --batches 256 --block-m 32 --block-n 32,64 --warps 4 --stages 3 \
       --k-blocks 1,2 --max-sets 4 --out-dir "$R"
     pack ;;
+  kbmodel)  # ~420 s: raw/s70-k-blocks-model.patch (the fp8 decode launches two K blocks a step) against main,
+    # the V3 cut gemm fp8 b=1 with generate(), b=8, two rounds, then gemm bf16 (dequantized: also fp8 weights) b=1
+    AB_LIMIT=85 ab kbm v3cut 1,8 1 2
+    V3="python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 --weights fp8"
+    for v in main kbm; do
+      LIMIT=50 in_tree $v $V3 --gemm-impl bf16 --decode-batches 1 --prefill-batches "" --no-generate \
+        --tag "v3cut-bf16-$v" --out-dir "$R"
+    done
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
   prefetch2)  # ~300 s: `prefetch` without the `pre` tree or the bf16 control: main against pref, the V3 cut gemm fp8
     # b=1 with generate(), b=8, 16, two rounds alternating
     AB_LIMIT=90 ab pref v3cut 1,8,16 1 2
@@ -243,7 +255,7 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | micro70 | persistent | kblocks | suite | figures | splits4 | splits4one | prefetch2 | weightfirst | prefsuite | output128" \
+  *) echo "usage: $0 prep | micro70 | persistent | kblocks | kbmodel | suite | figures | splits4 | splits4one | prefetch2 | weightfirst | prefsuite | output128" \
       "| mlasplits | tiles256 | profile256 | v3slots | rowsplit | profv3 | prefetch | profiles | rotary | slots12" \
       "| projections | combo | mla256" >&2; exit 2 ;;
 esac
