@@ -3,15 +3,14 @@
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh micro70 (persistent, kblocks) | kbmodel (if kblocks pays) |
-#            suite | figures | splits4 (or splits4one) | prefetch2 |
-#            prefsuite | output128 | mlasplits |
-#            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | prefetch |
-#            weightfirst (item 72 measured the same order, branch s56-output-weights-first, as no gain)
+#   device:  bash benchmarks/raw/s63-next-calls.sh prologue, prologue2 (item 86: each program's tile from one
+#            scan and one sum) | o128suite (then merge raw/s67-output128.patch if it passes) | suite | figures |
+#            kbfp8 | prefetch2 | mlasplits | tiles256 | profile256 | v3slots | rowsplit | profiles | rotary |
+#            slots12 | projections | combo | prefetch | weightfirst
 #            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
 #            act_quant and router merges of items 84-85 are untimed there); prefetch2 on an H200 (item 85: no gain
-#            on an H100); prefetch also times item 82's merge on the V3 cut (pre against main); route69, its suite and
-#            prefetch1 ran in item 85, glue, gluesuite and v3query in item 82, proj256, mla256 and profv3 in item 81)
+#            on an H100); item 86 ran micro70, kbmodel, splits4one and output128 on an H100; weightfirst: item 72
+#            measured the same order as no gain)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -65,6 +64,8 @@ case "${1:-}" in
     tree ow benchmarks/raw/s69-output-weight-first.patch tests  # mla_decode_output: b=1 loads its weights first
     tree kb benchmarks/raw/s70-k-blocks.patch tests  # the grouped kernels' K steps of k_blocks 128-column blocks
     tree kbm benchmarks/raw/s70-k-blocks-model.patch tests  # and the model's fp8 decode launches two blocks a step
+    tree tp benchmarks/raw/s71-tile-prologue.patch tests  # a program's tile from one scan and one sum of pairs
+    tree tp5 benchmarks/raw/s71-tile-prologue-512.patch tests  # and V3's 257 groups find theirs in the program too
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
@@ -73,7 +74,9 @@ case "${1:-}" in
     grep -c "MIN_SPLITS = 4" .device-data/var-s4/pallas_kernels/mla.py
     grep -c "def _value_block" .device-data/var-ow/pallas_kernels/mla.py
     grep -c "k_blocks: int = 1" .device-data/var-kb/pallas_kernels/grouped.py
-    grep -c "FP8_DECODE_K_BLOCKS = 2" .device-data/var-kbm/dsv3_jax/model/moe.py ;;
+    grep -c "FP8_DECODE_K_BLOCKS = 2" .device-data/var-kbm/dsv3_jax/model/moe.py
+    grep -c "def sized_tile_width" .device-data/var-tp/pallas_kernels/grouped.py
+    grep -c "SIZED_TILE_MAX_GROUPS = 512" .device-data/var-tp5/pallas_kernels/grouped.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -119,6 +122,27 @@ case "${1:-}" in
         --tag "v3cut-bf16-$v" --out-dir "$R"
     done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
+  prologue)  # ~430 s: raw/s71-tile-prologue.patch (each program of a launch over group sizes finds its tile from
+    # one scan and one sum: 4 barriers before its first copy, 24 on main) against main, V2-Lite b=32 and 256 (the
+    # "fused" launches) with generate(); then raw/s71-tile-prologue-512.patch (V3's 257 groups in the program too,
+    # not XLA's table) against main, the V3 cut gemm fp8 b=16 and 32
+    AB_LIMIT=120 ab tp configs/config_16B.json 32,256 1
+    AB_LIMIT=80 ab tp5 v3cut 16,32 1
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
+  prologue2)  # ~430 s: `prologue`'s second round, the patched trees first
+    for v in tp main; do LIMIT=120 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json \
+      --decode-batches 32,256 --prefill-batches "" --tag "16B-$v-2" --out-dir "$R"; done
+    for v in tp5 main; do LIMIT=80 in_tree $v python3 scripts/bench_model.py --config configs/config_671B.json \
+      --layers 4 --dense-layers 1 --weights fp8 --gemm-impl fp8 --decode-batches 16,32 --prefill-batches "" \
+      --tag "v3cut-$v-2" --out-dir "$R"; done
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
+  o128suite) suite_with benchmarks/raw/s67-output128.patch; pack ;;  # ~310 s: the suite with item 86's o128 gain
+  kbfp8)  # ~250 s: `kblocks`' fp8 half alone, its output unfiltered (item 86: it printed no row and no error): the
+    # V3 slot launches at b=1 and 8 by k_blocks, to tell which launch lost at b=1 with kbmodel's two blocks
+    (cd .device-data/var-kb && PYTHONPATH=. timeout 280 python3 scripts/bench_grouped_decode.py --batches 1,8 \
+      --block-n 32,128 --warps 4 --stages 3 --k-blocks 1,2 --forms fp8 --max-sets 8 --out-dir "$R" \
+      > "$R/kbfp8.log" 2>&1; echo "rc $?" >> "$R/kbfp8.log")
+    grep -v Warning "$R/kbfp8.log" | tail -30; pack ;;
   micro70) bash "$0" persistent && bash "$0" kblocks ;;  # ~380 s: both of item 85's micro-benchmarks in one call
   persistent)  # ~150 s: raw/s70-persistent-swiglu.py, the "fused" swiglu launch at V2-Lite b=256 alone (main's, one
     # program a tile) against a persistent prototype whose one flattened (tile, K step) loop pipelines through tile
