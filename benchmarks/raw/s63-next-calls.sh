@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-70 prepared for the next one (benchmarks/NOTES.md items 75-85), kept here because
+# The device calls sessions 60-71 prepared for the next one (benchmarks/NOTES.md items 75-86), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
 #   device:  bash benchmarks/raw/s63-next-calls.sh prologue, prologue2 (item 86: each program's tile from one
-#            scan and one sum) | widek | o128suite (then merge raw/s67-output128.patch if it passes) | suite | figures |
-#            kbfp8 | prefetch2 | mlasplits | tiles256 | profile256 | v3slots | rowsplit | profiles | rotary |
-#            slots12 | projections | combo | prefetch | weightfirst
+#            scan and one sum) | widek | tpwide (if both win) | o128suite (then merge raw/s67-output128.patch) |
+#            suite | figures | kbfp8 | prefetch2 | mlasplits | tiles256 | profile256 | v3slots | rowsplit |
+#            profiles | rotary | slots12 | projections | combo | prefetch | weightfirst
 #            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
 #            act_quant and router merges of items 84-85 are untimed there); prefetch2 on an H200 (item 85: no gain
 #            on an H100); item 86 ran micro70, kbmodel, splits4one and output128 on an H100; weightfirst: item 72
@@ -67,6 +67,7 @@ case "${1:-}" in
     tree tp benchmarks/raw/s71-tile-prologue.patch tests  # a program's tile from one scan and one sum of pairs
     tree tp5 benchmarks/raw/s71-tile-prologue-512.patch tests  # and V3's 257 groups find theirs in the program too
     tree kbw benchmarks/raw/s71-bf16-wide-k.patch tests  # V2-Lite b=256's swiglu: 32 x 32, two K blocks a step
+    tree tpw benchmarks/raw/s71-prologue-wide-k.patch tests  # tp and kbw together
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
@@ -78,7 +79,9 @@ case "${1:-}" in
     grep -c "FP8_DECODE_K_BLOCKS = 2" .device-data/var-kbm/dsv3_jax/model/moe.py
     grep -c "def sized_tile_width" .device-data/var-tp/pallas_kernels/grouped.py
     grep -c "SIZED_TILE_MAX_GROUPS = 512" .device-data/var-tp5/pallas_kernels/grouped.py
-    grep -c "TALL_SWIGLU_K_BLOCKS = 2" .device-data/var-kbw/dsv3_jax/model/moe.py ;;
+    grep -c "TALL_SWIGLU_K_BLOCKS = 2" .device-data/var-kbw/dsv3_jax/model/moe.py
+    grep -c "TALL_SWIGLU_K_BLOCKS = 2\|def sized_tile_width" .device-data/var-tpw/dsv3_jax/model/moe.py \
+      .device-data/var-tpw/pallas_kernels/grouped.py ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -142,6 +145,10 @@ case "${1:-}" in
     # step: item 86's bench_grouped_decode had it 334 us against 395 at main's 32 x 64, one block) against main,
     # V2-Lite b=256 with generate(), two rounds alternating
     AB_LIMIT=110 ab kbw configs/config_16B.json 256 1 2
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
+  tpwide)  # ~300 s, if both prologue and widek win: raw/s71-prologue-wide-k.patch (both) against main, V2-Lite
+    # b=256 with generate(), two rounds alternating (then its suite: suite_with the same patch, and merge)
+    AB_LIMIT=110 ab tpw configs/config_16B.json 256 1 2
     grep "decode b=\|generate b=" "$R/log"; pack ;;
   o128suite) suite_with benchmarks/raw/s67-output128.patch; pack ;;  # ~310 s: the suite with item 86's o128 gain
   kbfp8)  # ~250 s: `kblocks`' fp8 half alone, its output unfiltered (item 86: it printed no row and no error): the
