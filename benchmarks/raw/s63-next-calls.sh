@@ -131,11 +131,11 @@ case "${1:-}" in
     # one scan and one sum: 4 barriers before its first copy, 24 on main) against main, V2-Lite b=32 and 256 (the
     # "fused" launches) with generate(); then raw/s71-tile-prologue-512.patch (V3's 257 groups in the program too,
     # not XLA's table) against main, the V3 cut gemm fp8 b=16 and 32
-    AB_LIMIT=120 ab tp configs/config_16B.json 32,256 1
+    AB_LIMIT=150 ab tp configs/config_16B.json 32,256 1
     AB_LIMIT=80 ab tp5 v3cut 16,32 1
     grep "decode b=\|generate b=" "$R/log"; pack ;;
   prologue2)  # ~430 s: `prologue`'s second round, the patched trees first
-    for v in tp main; do LIMIT=120 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json \
+    for v in tp main; do LIMIT=150 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json \
       --decode-batches 32,256 --prefill-batches "" --tag "16B-$v-2" --out-dir "$R"; done
     for v in tp5 main; do LIMIT=80 in_tree $v python3 scripts/bench_model.py --config configs/config_671B.json \
       --layers 4 --dense-layers 1 --weights fp8 --gemm-impl fp8 --decode-batches 16,32 --prefill-batches "" \
