@@ -127,12 +127,14 @@ case "${1:-}" in
         --tag "v3cut-bf16-$v" --out-dir "$R"
     done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
-  prologue)  # ~430 s: raw/s71-tile-prologue.patch (each program of a launch over group sizes finds its tile from
+  prologue)  # ~480 s: raw/s71-tile-prologue.patch (each program of a launch over group sizes finds its tile from
     # one scan and one sum: 4 barriers before its first copy, 24 on main) against main, V2-Lite b=32 and 256 (the
     # "fused" launches) with generate(); then raw/s71-tile-prologue-512.patch (V3's 257 groups in the program too,
-    # not XLA's table) against main, the V3 cut gemm fp8 b=16 and 32
+    # not XLA's table) against main, the V3 cut gemm fp8 b=16 and 32, and tp there (XLA's table from the new rule)
     AB_LIMIT=150 ab tp configs/config_16B.json 32,256 1
     AB_LIMIT=80 ab tp5 v3cut 16,32 1
+    LIMIT=80 in_tree tp python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 \
+      --weights fp8 --gemm-impl fp8 --decode-batches 16,32 --prefill-batches "" --tag "v3cut-tp-1" --out-dir "$R"
     grep "decode b=\|generate b=" "$R/log"; pack ;;
   prologue2)  # ~430 s: `prologue`'s second round, the patched trees first
     for v in tp main; do LIMIT=150 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json \
