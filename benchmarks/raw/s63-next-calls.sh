@@ -4,7 +4,7 @@
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
 #   device:  bash benchmarks/raw/s63-next-calls.sh prologue, prologue2 (item 86: each program's tile from one
-#            scan and one sum) | widek | tpwide (if both win) | o128suite (then merge raw/s67-output128.patch) |
+#            scan and one sum) | widek | tpwide (if both win) | suitewith PATCH (what won, with o128) |
 #            suite | figures | kbfp8 | prefetch2 | mlasplits | tiles256 | profile256 | v3slots | rowsplit |
 #            profiles | rotary | slots12 | projections | combo | prefetch | weightfirst
 #            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
@@ -152,6 +152,11 @@ case "${1:-}" in
     # b=256 with generate(), two rounds alternating (then its suite: suite_with the same patch, and merge)
     AB_LIMIT=110 ab tpw configs/config_16B.json 256 1 2
     grep "decode b=\|generate b=" "$R/log"; pack ;;
+  suitewith)  # ~310 s (H100; ~230 on an H200): the fast GPU suite with patch $2 applied before merging it: what
+    # won of prologue, widek and output128 together, raw/s71-o128-{tile-prologue,bf16-wide-k,prologue-wide-k}.patch
+    # (each merged with raw/s67-output128.patch), or one of them alone
+    [ -f "${2:-}" ] || { echo "suitewith: no patch file '${2:-}'"; exit 2; }
+    suite_with "$2"; pack ;;
   o128suite) suite_with benchmarks/raw/s67-output128.patch; pack ;;  # ~310 s: the suite with item 86's o128 gain
   kbfp8)  # ~250 s: `kblocks`' fp8 half alone, its output unfiltered (item 86: it printed no row and no error): the
     # V3 slot launches at b=1 and 8 by k_blocks, to tell which launch lost at b=1 with kbmodel's two blocks
