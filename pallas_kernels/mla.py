@@ -30,6 +30,9 @@ _NEG = -1e30  # finite "minus infinity": an empty split must not produce inf - i
 PROGRAMS_PER_SM = 2
 # mla_decode_output merges this many splits a loop step, their loads issued together, where there are more
 MERGE_GROUP = 8
+# mla_decode_output's batches of more than this many rows take 128-wide V tiles (a head's whole value half: one
+# program a head and row block) with a wkv_b in q_latent's dtype; from 17 rows up to it, 64-wide (benchmarks/NOTES.md)
+WHOLE_VALUE_TILES_ABOVE_ROWS = 64
 
 
 def mla_decode_ref(q_latent, q_pe, kv_cache, pe_cache, layer, lengths, new_kv, new_pe, *, scale: float):
@@ -277,8 +280,8 @@ def mla_absorb_query(q_nope, wkv_b, layer=None, *, wkv_b_scale=None, nope: int |
 
     q_nope: (B, H, D), D a power of two >= 16, or with `nope` = D the whole query (B, H, D + rope), whose
     first D columns the kernel reads in place (no slice of them copied out first); wkv_b: (H (D + V), C) in
-    q_nope's dtype, or a stack of layers (L, H (D + V), C) with `layer` (int32 scalar), read in place. An fp8 wkv_b comes with
-    `wkv_b_scale`, its block scales ((L,) H (D + V) / 128, C / 128): each tile is dequantized to
+    q_nope's dtype, or a stack of layers (L, H (D + V), C) with `layer` (int32 scalar), read in place. An fp8
+    wkv_b comes with `wkv_b_scale`, its block scales ((L,) H (D + V) / 128, C / 128): each tile is dequantized to
     q_nope's dtype as it is loaded, as `weight_dequant` would. One program per (head, C block, batch block).
     rope: (cos, sin, interleaved), the angles (B, R / 2) float32 of the whole query's R = width - D rotary
     columns: then also q_pe, those columns rotated (B, H, R) in the query's dtype, is returned (the
@@ -438,7 +441,7 @@ def mla_decode_output_ref(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, laye
 
 def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=None, *, scale: float, v_dim: int,
                       wkv_b_scale=None, block_v: int | None = None, block_b: int | None = None, v_blocks: int = 1,
-                      num_warps: int = 4, num_stages: int = 1) -> jax.Array:
+                      num_warps: int | None = None, num_stages: int = 1) -> jax.Array:
     """The end of the absorbed decode attention in one launch: `mla_decode_splits`' partial softmaxes
     (acc, m, l) merged with the new entry's (scored from q_latent, q_pe, new_kv, new_pe as `mla_decode`
     does), the latent output rounded to q_latent's dtype and projected through wkv_b's value half:
@@ -451,14 +454,14 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
     read by fewer of them). A program holds its rows' (block_b, C) float32 latents: more than 16 rows spill
     registers. Under 16 rows (a power of two) the projection is products summed over C instead of a dot,
     so that a program of a few rows holds no padding rows. `block_b` None: one row at batch 1, else 16.
-    `block_v` None: 64 above 16 rows with a wkv_b in q_latent's dtype (fewer programs, each merging its rows'
-    splits once), else 16 (an fp8 wkv_b's dequantized 64-wide tile spills beside 16 rows' latents).
+    `block_v`, `num_warps` None: `default_output_tiles`.
     """
     batch, splits, heads, rank = acc.shape
     block_b = (1 if batch == 1 else 16) if block_b is None else block_b
     w = _wkv_b_stack(_OUTPUT, wkv_b, layer, wkv_b_scale, heads, wkv_b.shape[-2] // heads - v_dim, rank,
                      q_latent.dtype)
-    block_v = (64 if batch > 16 and w.scale is None else 16) if block_v is None else block_v
+    block_v, default_warps = default_output_tiles(batch, w.scale is not None, block_v)
+    num_warps = default_warps if num_warps is None else num_warps
     _check_block(_OUTPUT, "block_v", block_v, None if w.scale is None else BLOCK)
     if block_b < 1 or block_b & (block_b - 1):
         fail(_OUTPUT, f"block_b={block_b} must be a power of two (under 16: rows projected without a dot)")
@@ -483,6 +486,15 @@ def mla_decode_output(acc, m, l, q_latent, q_pe, new_kv, new_pe, wkv_b, layer=No
                               interpret,
                               w.layer, acc, m, l, q_latent, q_pe, new_kv, new_pe, *w.refs)
     return out
+
+
+def default_output_tiles(batch: int, fp8: bool, block_v: int | None = None) -> tuple[int, int]:
+    """mla_decode_output's (block_v, num_warps) where block_v is None: V tiles wider above 16 rows with a wkv_b in
+    q_latent's dtype (fewer programs, each merging its rows' splits once), else 16 (an fp8 wkv_b's dequantized
+    64-wide tile spills beside 16 rows' latents); 8 warps for 128-wide tiles (at 4 their 16 rows spill)."""
+    if block_v is None:
+        block_v = 16 if fp8 or batch <= 16 else 128 if batch > WHOLE_VALUE_TILES_ABOVE_ROWS else 64
+    return block_v, 8 if block_v >= 128 else 4
 
 
 def _merged_latent(acc_ref, m_ref, l_ref, q_ref, qpe_ref, kv_ref, pe_ref, *, h, bs, row_ok, splits, scale,

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import mla
-from pallas_kernels.mla import mla_absorb_query, mla_decode, mla_decode_output, mla_decode_splits
+from pallas_kernels.mla import (WHOLE_VALUE_TILES_ABOVE_ROWS, mla_absorb_query, mla_decode, mla_decode_output,
+                                mla_decode_splits)
 from pallas_kernels.reference import weight_dequant_ref
 
 
@@ -142,11 +143,13 @@ def test_decode_output_rows_without_a_dot(block_b, batch, v_blocks):
     test_decode_output_with_several_value_blocks_a_program(v_blocks, batch=batch, block_b=block_b)
 
 
-@pytest.mark.parametrize("batch, v_dim", [(18, 80), (40, 64)])
+@pytest.mark.parametrize("batch, v_dim", [(18, 80), (40, 64), (80, 144)])
 def test_decode_output_default_value_tiles_above_16_rows(batch, v_dim):
-    """Above 16 rows (a bf16 or float32 wkv_b) the output kernel's default V tiles are 64 wide: V = 80 is a full
-    tile and one 16 columns into the next (the rest masked), V = 64 one tile, over two and three batch blocks.
-    Against float64."""
+    """Above 16 rows (a bf16 or float32 wkv_b) the output kernel's default V tiles are 64 wide, 128 wide past
+    WHOLE_VALUE_TILES_ABOVE_ROWS: V = 80 is a full tile and one 16 columns into the next (the rest masked), V = 64
+    one tile, over two and three batch blocks; at 80 rows (five batch blocks) V = 144 a 128-wide tile and 16
+    columns of the next. Against float64."""
+    assert 40 <= WHOLE_VALUE_TILES_ABOVE_ROWS < 80
     test_decode_output_with_several_value_blocks_a_program(1, batch=batch, v_dim=v_dim, block_v=None)
 
 
@@ -315,10 +318,11 @@ def test_absorption_argument_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, lengths", [(1, [1000]), (8, [0, 3, 77, 300, 511, 700, 1000, 1023]),
-                                            (40, [(97 * b) % 1024 for b in range(40)])])
+                                            (40, [(97 * b) % 1024 for b in range(40)]),
+                                            (80, [(97 * b) % 1024 for b in range(80)])])
 def test_absorbed_decode_compiled_on_gpu(batch, lengths):
     """V2-Lite's and V3's head shapes (D = V = 128, C = 512, rotary 64), bf16, default splits; 40 rows: three
-    16-row blocks of the output kernel, the last partly filled."""
+    16-row blocks of the output kernel, the last partly filled; 80 rows: its 128-wide V tiles on 8 warps."""
     test_absorbed_decode_in_three_launches(batch, 16, lengths, None, dtype=jnp.bfloat16, tol=2e-2, kv_len=1024,
                                            nope=128, v_dim=128, rank=512, rope=64)
 

@@ -21,7 +21,7 @@ from jax._src.pallas.triton import lowering as triton_lowering
 
 import dsv3_jax
 from pallas_kernels.grouped import grouped_gemm_swiglu
-from pallas_kernels.mla import mla_absorb_query, mla_decode_output, mla_decode_splits
+from pallas_kernels.mla import default_output_tiles, mla_absorb_query, mla_decode_output, mla_decode_splits
 from pallas_kernels.norm import rms_norm, rms_norm_fp8
 from pallas_kernels.router import route
 from test_auto_paths_gpu import STEPS, small_v3, variant
@@ -104,10 +104,11 @@ def decode_operands(batch: int, heads: int, splits: int, fp8: bool) -> tuple:
 # block a program and several (the program's V blocks looped over after one merge; at V3's b=1 a head's eight V
 # blocks in one program is the candidate against 1,024 one-block programs). Batches of more than 16 rows
 # run in 16-row programs: 32- and 64-row ones spilled (benchmarks/NOTES.md); there, with a bf16 wkv_b, the default
-# V tiles are 64 wide
+# V tiles are 64 wide, and 128 wide (8 warps) past WHOLE_VALUE_TILES_ABOVE_ROWS rows
 OUTPUT_CASES = [(1, 16, 10, False, 1), (8, 16, 10, False, 1), (8, 128, 5, True, 1), (1, 128, 10, True, 1),
                 (16, 16, 3, False, 1), (32, 16, 10, False, 1), (64, 128, 5, True, 1), (32, 16, 10, False, 8),
-                (64, 16, 5, False, 1), (8, 128, 5, True, 4), (1, 128, 9, True, 8)]
+                (64, 16, 5, False, 1), (8, 128, 5, True, 4), (1, 128, 9, True, 8), (128, 16, 2, False, 1),
+                (256, 16, 4, False, 1)]
 
 
 @pytest.mark.parametrize("batch, heads, splits, fp8, v_blocks", OUTPUT_CASES)
@@ -117,7 +118,7 @@ def test_mla_decode_output_does_not_spill(batch, heads, splits, fp8, v_blocks, t
                                  wkv_b_scale=scale, v_blocks=v_blocks)
 
     (ir,) = triton_modules(output, *decode_operands(batch, heads, splits, fp8))
-    report = ptxas_report(ir, tmp_path)
+    report = ptxas_report(ir, tmp_path, num_warps=default_output_tiles(batch, fp8)[1])
     assert spilled_bytes(report) == 0, report
 
 
