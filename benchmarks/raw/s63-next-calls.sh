@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-71 prepared for the next one (benchmarks/NOTES.md items 75-86), kept here because
+# The device calls sessions 60-72 prepared for the next one (benchmarks/NOTES.md items 75-87), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh prologue, prologue2 (item 86: each program's tile from one
-#            scan and one sum) | widek | tpwide (if both win) | suitewith PATCH (what won, with o128) |
-#            suite | figures | kbfp8 | prefetch2 | mlasplits | tiles256 | profile256 | v3slots | rowsplit |
-#            profiles | rotary | slots12 | projections | combo | prefetch | weightfirst
+#   device:  bash benchmarks/raw/s63-next-calls.sh tpsuite (item 87: the tile prologue's suite, then merge it) |
+#            order (item 87: main's grid order against the prototype's, the swiglu launch alone) | ordmodel (the
+#            tile-major grid in the model) | suite | figures | kbfp8 | prefetch2 | mlasplits | tiles256 |
+#            profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | prefetch |
+#            weightfirst
 #            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
-#            act_quant and router merges of items 84-85 are untimed there); prefetch2 on an H200 (item 85: no gain
-#            on an H100); item 86 ran micro70, kbmodel, splits4one and output128 on an H100; weightfirst: item 72
-#            measured the same order as no gain)
+#            act_quant, router and output128 merges of items 84, 85 and 87 are untimed there); prefetch2 on an H200
+#            (item 85: no gain on an H100); weightfirst: item 72 measured the same order as no gain)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -58,30 +58,50 @@ case "${1:-}" in
     tree rotary benchmarks/raw/s60-rotary-bf16.patch  # rotate_rows' angle spread on bf16 tensor cores, exactly
     tree rowsplit benchmarks/raw/s63-mla-row-splits.patch tests  # mla_decode's splits by each row's own length
     tree pre benchmarks/raw/s67-pre-glue.patch  # main before item 82's merge of the glue patch (1a0ada7's kernels)
-    tree o128 benchmarks/raw/s67-output128.patch tests  # mla_decode_output 128 wide on 8 warps above 64 rows
     tree pref benchmarks/raw/s67-scale-prefetch.patch tests  # fp8 activations' K loops load scales a block ahead
     tree s4 benchmarks/raw/s69-splits4.patch tests  # mla_decode: at least four splits
     tree ow benchmarks/raw/s69-output-weight-first.patch tests  # mla_decode_output: b=1 loads its weights first
     tree kb benchmarks/raw/s70-k-blocks.patch tests  # the grouped kernels' K steps of k_blocks 128-column blocks
     tree kbm benchmarks/raw/s70-k-blocks-model.patch tests  # and the model's fp8 decode launches two blocks a step
-    tree tp benchmarks/raw/s71-tile-prologue.patch tests  # a program's tile from one scan and one sum of pairs
-    tree tp5 benchmarks/raw/s71-tile-prologue-512.patch tests  # and V3's 257 groups find theirs in the program too
-    tree kbw benchmarks/raw/s71-bf16-wide-k.patch tests  # V2-Lite b=256's swiglu: 32 x 32, two K blocks a step
-    tree tpw benchmarks/raw/s71-prologue-wide-k.patch tests  # tp and kbw together
+    tree tp benchmarks/raw/s72-tile-prologue.patch tests  # a program's tile from one scan and one sum of pairs
+    tree ord benchmarks/raw/s72-tile-major.patch tests  # the grouped launches' programs tile-major
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
-    grep -c "def default_output_tiles" .device-data/var-o128/pallas_kernels/mla.py
     grep -c "def scaled_body" .device-data/var-pref/pallas_kernels/grouped.py
     grep -c "MIN_SPLITS = 4" .device-data/var-s4/pallas_kernels/mla.py
     grep -c "def _value_block" .device-data/var-ow/pallas_kernels/mla.py
     grep -c "k_blocks: int = 1" .device-data/var-kb/pallas_kernels/grouped.py
     grep -c "FP8_DECODE_K_BLOCKS = 2" .device-data/var-kbm/dsv3_jax/model/moe.py
     grep -c "def sized_tile_width" .device-data/var-tp/pallas_kernels/grouped.py
-    grep -c "SIZED_TILE_MAX_GROUPS = 512" .device-data/var-tp5/pallas_kernels/grouped.py
-    grep -c "TALL_SWIGLU_K_BLOCKS = 2" .device-data/var-kbw/dsv3_jax/model/moe.py
-    grep -c "TALL_SWIGLU_K_BLOCKS = 2\|def sized_tile_width" .device-data/var-tpw/dsv3_jax/model/moe.py \
-      .device-data/var-tpw/pallas_kernels/grouped.py ;;
+    grep -c "tile, j = jax.lax.div(program, col_blocks)" .device-data/var-ord/pallas_kernels/grouped.py ;;
+  tpsuite)  # ~180 s (H100, warm; ~230 s with its start): the fast GPU suite with raw/s72-tile-prologue.patch (item
+    # 87: V2-Lite b=256 step -0.1 %, generate() -0.3 % in two rounds; its suite ran clean but for the tile-table
+    # test's GPU twin, which called it without monkeypatch, mended since); merge the patch if it passes
+    suite_with benchmarks/raw/s72-tile-prologue.patch; pack ;;
+  order)  # ~330 s: raw/s72-swiglu-order.py: the V2-Lite b=256 "fused" swiglu launch alone, main's, against a
+    # program a tile from a packed table over the real tiles and over main's bound, in main's order and tile-major (what made item 86's prototype 10 %
+    # faster than main's launch); then the launch of trees ord (raw/s72-tile-major.patch), tp and main alone
+    LIMIT=200 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s72-swiglu-order.py main \
+      "$R/order-main.json"
+    for v in ord tp main; do  # the trees' own launches only
+      LIMIT=100 in_tree $v env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s72-swiglu-order.py $v \
+        "$R/order-$v-launch.json" tree
+    done
+    pack ;;
+  ordmodel)  # ~520 s: raw/s72-tile-major.patch (the grouped launches' programs tile-major on a 1-D grid) against
+    # main: V2-Lite b=32 and 256, the V3 cut gemm fp8 b=1 and 16, with generate(), one round (then a second with
+    # ordmodel2 if the first is close)
+    AB_LIMIT=140 ab ord configs/config_16B.json 32,256 1
+    AB_LIMIT=80 ab ord v3cut 1,16 1
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
+  ordmodel2)  # ~520 s: ordmodel's second round, the patched tree first
+    for v in ord main; do LIMIT=140 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json \
+      --decode-batches 32,256 --prefill-batches "" --tag "16B-$v-2" --out-dir "$R"; done
+    for v in ord main; do LIMIT=80 in_tree $v python3 scripts/bench_model.py --config configs/config_671B.json \
+      --layers 4 --dense-layers 1 --weights fp8 --gemm-impl fp8 --decode-batches 1,16 --prefill-batches "" \
+      --tag "v3cut-$v-2" --out-dir "$R"; done
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
   suite)  # first on an H200: the fast GPU suite (items 75-77: not run on an H200 since item 72)
     PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
     grep -E "^done|GPU suite" "$R/suite.log"; pack ;;
@@ -127,37 +147,9 @@ case "${1:-}" in
         --tag "v3cut-bf16-$v" --out-dir "$R"
     done
     grep "decode b=\|generate b=" "$R/log"; pack ;;
-  prologue)  # ~480 s: raw/s71-tile-prologue.patch (each program of a launch over group sizes finds its tile from
-    # one scan and one sum: 4 barriers before its first copy, 24 on main) against main, V2-Lite b=32 and 256 (the
-    # "fused" launches) with generate(); then raw/s71-tile-prologue-512.patch (V3's 257 groups in the program too,
-    # not XLA's table) against main, the V3 cut gemm fp8 b=16 and 32, and tp there (XLA's table from the new rule)
-    AB_LIMIT=150 ab tp configs/config_16B.json 32,256 1
-    AB_LIMIT=80 ab tp5 v3cut 16,32 1
-    LIMIT=80 in_tree tp python3 scripts/bench_model.py --config configs/config_671B.json --layers 4 --dense-layers 1 \
-      --weights fp8 --gemm-impl fp8 --decode-batches 16,32 --prefill-batches "" --tag "v3cut-tp-1" --out-dir "$R"
-    grep "decode b=\|generate b=" "$R/log"; pack ;;
-  prologue2)  # ~430 s: `prologue`'s second round, the patched trees first
-    for v in tp main; do LIMIT=150 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json \
-      --decode-batches 32,256 --prefill-batches "" --tag "16B-$v-2" --out-dir "$R"; done
-    for v in tp5 main; do LIMIT=80 in_tree $v python3 scripts/bench_model.py --config configs/config_671B.json \
-      --layers 4 --dense-layers 1 --weights fp8 --gemm-impl fp8 --decode-batches 16,32 --prefill-batches "" \
-      --tag "v3cut-$v-2" --out-dir "$R"; done
-    grep "decode b=\|generate b=" "$R/log"; pack ;;
-  widek)  # ~300 s: raw/s71-bf16-wide-k.patch (the bf16 swiglu launch of 32-row tiles at 32 x 32, two K blocks a
-    # step: item 86's bench_grouped_decode had it 334 us against 395 at main's 32 x 64, one block) against main,
-    # V2-Lite b=256 with generate(), two rounds alternating
-    AB_LIMIT=110 ab kbw configs/config_16B.json 256 1 2
-    grep "decode b=\|generate b=" "$R/log"; pack ;;
-  tpwide)  # ~300 s, if both prologue and widek win: raw/s71-prologue-wide-k.patch (both) against main, V2-Lite
-    # b=256 with generate(), two rounds alternating (then its suite: suite_with the same patch, and merge)
-    AB_LIMIT=110 ab tpw configs/config_16B.json 256 1 2
-    grep "decode b=\|generate b=" "$R/log"; pack ;;
-  suitewith)  # ~310 s (H100; ~230 on an H200): the fast GPU suite with patch $2 applied before merging it: what
-    # won of prologue, widek and output128 together, raw/s71-o128-{tile-prologue,bf16-wide-k,prologue-wide-k}.patch
-    # (each merged with raw/s67-output128.patch), or one of them alone
+  suitewith)  # ~180 s (H100, warm): the fast GPU suite with patch $2 applied before merging it
     [ -f "${2:-}" ] || { echo "suitewith: no patch file '${2:-}'"; exit 2; }
     suite_with "$2"; pack ;;
-  o128suite) suite_with benchmarks/raw/s67-output128.patch; pack ;;  # ~310 s: the suite with item 86's o128 gain
   kbfp8)  # ~250 s: `kblocks`' fp8 half alone, its output unfiltered (item 86: it printed no row and no error): the
     # V3 slot launches at b=1 by k_blocks, to tell which launch lost at b=1 with kbmodel's two blocks
     # (b=1 alone, 8 timings: item 85's 12 at 8 sets may have run past its 200 s; the log keeps stderr and the rc)
@@ -218,14 +210,6 @@ case "${1:-}" in
     AB_LIMIT=70 ab ow v3cut 1 1
     grep "decode b=\|generate b=\|mla_decode_output" "$R/log"; pack ;;
   prefsuite) suite_with benchmarks/raw/s67-scale-prefetch.patch; pack ;;  # ~250 s: the suite with the prefetch
-  output128)  # ~380 s: raw/s67-output128.patch (mla_decode_output's V tiles 128 wide on 8 warps above 64 rows,
-    # where item 82's sweep had 128 wide on 4 warps (which spill 52 bytes) 17.2 against 22.2 us at b=128, 23.4
-    # against 25.3 at b=256) against main, V2-Lite b=128 and 256 with generate(), two rounds alternating
-    for round in 1 2; do for v in main o128; do
-      LIMIT=110 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json --decode-batches 128,256 \
-        --prefill-batches '' --tag "16B-$v-$round" --out-dir "$R"
-    done; done
-    grep "decode b=\|generate b=" "$R/log"; pack ;;
   mlasplits)  # ~250 s on an H200: mla_decode's split count at b=256, 128, 64, 32 with the output launch at its
     # default V tiles and 128 wide (item 82: at b=128, 2 splits (the default) 61.1 us against 40.1 at 3 and 38.8 at
     # 4, but that was the run's first row, maybe before the clocks settled; item 80 had b=128 2 against 3 even end
