@@ -4,7 +4,9 @@ other differences, timed apart on the same 2,048 sorted rows over 66 groups: the
 (tiles, column blocks), tile fastest, so a column block's tiles run together; the prototype is tile-major, a tile's
 22 column blocks one after another) and the empty programs (main launches the bound, 130 tiles x 22 = 2,860
 programs, 1,056 of them without a tile; the prototype the real 82 x 22). Each variant is one program a tile with
-its tile from a packed table (one load and a masked sum), a tile past the table's real ones returning at once.
+its tile from a packed table (one load and a masked sum), a tile past the table's real ones returning at once;
+and two or one programs an SM walking the (tile, column block) items tile-major, stopping at the real tiles' end
+(no program launched without a tile).
     cd <tree> && PYTHONPATH=.:scripts python3 <this> TAG OUT.json [tree]    (tree: the tree's launch only)
 Prints one JSON line a launch: µs (trace), TB/s of its weight bytes, the largest difference from main's output."""
 import functools
@@ -17,6 +19,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import num_sms
 from pallas_kernels.grouped import grouped_gemm_swiglu, max_sized_tiles
 from profile_step import launch_us
 
@@ -25,13 +28,32 @@ GROUPS, INTER, DIM, TOKENS, TOPK, SHARED_ROWS = 66, 1408, 2048, 256, 6, 256
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 128
 
 
-def _kernel(layer_ref, table_ref, x_ref, w1_ref, w3_ref, o_ref, *, tiles, col_blocks, tile_major):
-    pid = pl.program_id(0)
-    if tile_major:
-        tile, j = jax.lax.div(pid, jnp.int32(col_blocks)), jax.lax.rem(pid, jnp.int32(col_blocks))
-    else:
-        tile, j = jax.lax.rem(pid, jnp.int32(tiles)), jax.lax.div(pid, jnp.int32(tiles))
-    packed = table_ref[...]
+def _kernel(layer_ref, table_ref, x_ref, w1_ref, w3_ref, o_ref, *, tiles, col_blocks, tile_major, programs):
+    """One (tile, column block) item a program, or with `programs` each program the items pid, pid + programs, ...
+    in turn (tile-major), stopping at the first past the table's real tiles."""
+    pid, packed = pl.program_id(0), table_ref[...]
+    if programs is None:
+        if tile_major:
+            _item(layer_ref, packed, x_ref, w1_ref, w3_ref, o_ref, jax.lax.div(pid, jnp.int32(col_blocks)),
+                  jax.lax.rem(pid, jnp.int32(col_blocks)))
+        else:
+            _item(layer_ref, packed, x_ref, w1_ref, w3_ref, o_ref, jax.lax.rem(pid, jnp.int32(tiles)),
+                  jax.lax.div(pid, jnp.int32(tiles)))
+        return
+    real = jnp.sum((packed & 4095) > 0)
+
+    def cond(item):
+        return jax.lax.div(item, jnp.int32(col_blocks)) < real
+
+    def body(item):
+        _item(layer_ref, packed, x_ref, w1_ref, w3_ref, o_ref, jax.lax.div(item, jnp.int32(col_blocks)),
+              jax.lax.rem(item, jnp.int32(col_blocks)))
+        return item + programs
+
+    jax.lax.while_loop(cond, body, pid)
+
+
+def _item(layer_ref, packed, x_ref, w1_ref, w3_ref, o_ref, tile, j):
     entry = jnp.sum(jnp.where(jnp.arange(packed.shape[0]) == tile, packed, 0))
     group, row0, row_end = entry >> 24, (entry >> 12) & 4095, entry & 4095
     layer = layer_ref[0]
@@ -64,14 +86,16 @@ def packed_tiles(sizes, length: int) -> np.ndarray:
     return np.asarray(out + [0] * (length - len(out)), np.int32)
 
 
-def table_swiglu(x, w1, w3, packed, tiles: int, layer, *, tile_major: bool):
-    """Programs over `tiles` tiles (the real ones, or a bound whose extra entries are empty) x the column blocks."""
+def table_swiglu(x, w1, w3, packed, tiles: int, layer, *, tile_major: bool, programs: int | None = None):
+    """Programs over `tiles` tiles (the real ones, or a bound whose extra entries are empty) x the column blocks;
+    or `programs` programs walking them."""
     col_blocks = w1.shape[-2] // BLOCK_N
-    kernel = functools.partial(_kernel, tiles=tiles, col_blocks=col_blocks, tile_major=tile_major)
+    kernel = functools.partial(_kernel, tiles=tiles, col_blocks=col_blocks, tile_major=tile_major, programs=programs)
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((x.shape[0], w1.shape[-2]), x.dtype),
-                          grid=(tiles * col_blocks,),
+                          grid=(tiles * col_blocks if programs is None else programs,),
                           compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
-                          name="table_swiglu", interpret=jax.default_backend() == "cpu")(jnp.reshape(layer, (1,)), packed, x, w1, w3)
+                          name="table_swiglu", interpret=jax.default_backend() == "cpu")(
+        jnp.reshape(layer, (1,)), packed, x, w1, w3)
 
 
 def main():
@@ -104,14 +128,18 @@ def main():
         return
     real = int(sum(-(-s // BLOCK_M) for s in sizes))
     bound = max_sized_tiles(rows, BLOCK_M, GROUPS)
-    for tiles, tile_major in [(real, True), (real, False), (bound, True), (bound, False), (real, True)]:
+    sms = num_sms()
+    for tiles, tile_major, programs in [(real, True, None), (real, False, None), (bound, True, None),
+                                        (bound, False, None), (bound, True, 2 * sms), (bound, True, sms),
+                                        (real, True, None)]:
         packed = jnp.asarray(packed_tiles(sizes, 1 << (tiles - 1).bit_length()))
-        fn = lambda layer, ops, packed=packed, tiles=tiles, tile_major=tile_major: table_swiglu(
-            ops[0], ops[1], ops[2], packed, tiles, layer, tile_major=tile_major)
+        def fn(layer, ops, packed=packed, tiles=tiles, tile_major=tile_major, programs=programs):
+            return table_swiglu(ops[0], ops[1], ops[2], packed, tiles, layer, tile_major=tile_major,
+                                programs=programs)
         got = np.asarray(jax.jit(fn)(jnp.int32(1), operands), np.float32)
         us = launch_us("table_swiglu", fn, LAYERS, REPEATS, operands)
         report("table", us, tiles=tiles, real_tiles=real, order="tile-major" if tile_major else "column-major",
-               max_diff=float(np.abs(got - want).max()), max_out=float(np.abs(want).max()))
+               programs=programs, max_diff=float(np.abs(got - want).max()), max_out=float(np.abs(want).max()))
     json.dump(results, open(out_path, "w"), indent=1)
 
 
