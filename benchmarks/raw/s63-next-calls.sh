@@ -5,7 +5,7 @@
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
 #   device:  bash benchmarks/raw/s63-next-calls.sh tpsuite (item 87: the tile prologue's suite, then merge it) |
 #            order (item 87: main's grid order against the prototype's, the swiglu launch alone) | ordmodel (the
-#            tile-major grid in the model) | suite | figures | kbfp8 | prefetch2 | mlasplits | tiles256 |
+#            tile-major grid in the model) | walkmodel (programs walking the tiles in the model) | suite | figures | kbfp8 | prefetch2 | mlasplits | tiles256 |
 #            profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | prefetch |
 #            weightfirst
 #            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
@@ -65,6 +65,7 @@ case "${1:-}" in
     tree kbm benchmarks/raw/s70-k-blocks-model.patch tests  # and the model's fp8 decode launches two blocks a step
     tree tp benchmarks/raw/s72-tile-prologue.patch tests  # a program's tile from one scan and one sum of pairs
     tree ord benchmarks/raw/s72-tile-major.patch tests  # the grouped launches' programs tile-major
+    tree walk benchmarks/raw/s72-walk.patch tests  # and launches over group sizes walk them, two programs an SM
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
@@ -74,18 +75,19 @@ case "${1:-}" in
     grep -c "k_blocks: int = 1" .device-data/var-kb/pallas_kernels/grouped.py
     grep -c "FP8_DECODE_K_BLOCKS = 2" .device-data/var-kbm/dsv3_jax/model/moe.py
     grep -c "def sized_tile_width" .device-data/var-tp/pallas_kernels/grouped.py
-    grep -c "tile, j = jax.lax.div(program, col_blocks)" .device-data/var-ord/pallas_kernels/grouped.py ;;
+    grep -c "tile, j = jax.lax.div(program, col_blocks)" .device-data/var-ord/pallas_kernels/grouped.py
+    grep -c "WALK_PROGRAMS_PER_SM = 2" .device-data/var-walk/pallas_kernels/grouped.py ;;
   tpsuite)  # ~180 s (H100, warm; ~230 s with its start): the fast GPU suite with raw/s72-tile-prologue.patch (item
     # 87: V2-Lite b=256 step -0.1 %, generate() -0.3 % in two rounds; its suite ran clean but for the tile-table
     # test's GPU twin, which called it without monkeypatch, mended since); merge the patch if it passes
     suite_with benchmarks/raw/s72-tile-prologue.patch; pack ;;
-  order)  # ~360 s: raw/s72-swiglu-order.py: the V2-Lite b=256 "fused" swiglu launch alone, main's, against a
+  order)  # ~400 s: raw/s72-swiglu-order.py: the V2-Lite b=256 "fused" swiglu launch alone, main's, against a
     # program a tile from a packed table over the real tiles and over main's bound, in main's order and tile-major,
     # and programs walking the tiles (what made item 86's prototype 10 % faster than main's launch); then the
-    # launches of trees ord (raw/s72-tile-major.patch), tp and main alone
-    LIMIT=230 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s72-swiglu-order.py main \
+    # launches of trees ord (raw/s72-tile-major.patch), walk (raw/s72-walk.patch) and main alone
+    LIMIT=250 in_tree main env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s72-swiglu-order.py main \
       "$R/order-main.json"
-    for v in ord tp main; do  # the trees' own launches only
+    for v in ord walk main; do  # the trees' own launches only
       LIMIT=100 in_tree $v env PYTHONPATH=.:scripts python3 ../../benchmarks/raw/s72-swiglu-order.py $v \
         "$R/order-$v-launch.json" tree
     done
@@ -95,6 +97,11 @@ case "${1:-}" in
     # ordmodel2 if the first is close)
     AB_LIMIT=140 ab ord configs/config_16B.json 32,256 1
     AB_LIMIT=80 ab ord v3cut 1,16 1
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
+  walkmodel)  # ~450 s: raw/s72-walk.patch (launches over group sizes on two programs an SM walking their items
+    # tile-major: no program launched past the real tiles) against main, V2-Lite b=32 and 256 with generate(), two
+    # rounds alternating (V3's 257 groups keep XLA's table: the V3 cut is unchanged)
+    AB_LIMIT=110 ab walk configs/config_16B.json 32,256 1 2
     grep "decode b=\|generate b=" "$R/log"; pack ;;
   ordmodel2)  # ~520 s: ordmodel's second round, the patched tree first
     for v in ord main; do LIMIT=140 in_tree $v python3 scripts/bench_model.py --config configs/config_16B.json \
