@@ -86,15 +86,20 @@ def persistent_swiglu(x, w1, w3, packed, tiles: int, layer, *, block_m=32, block
                           name="persistent_swiglu", interpret=interpret)(jnp.reshape(layer, (1,)), packed, x, w1, w3)
 
 
-def main():
+def swiglu_inputs():
+    """The launch's group sizes (seeded expert choices of 256 tokens, then the two shared chunks), x and w1, w3."""
     rng = np.random.default_rng(0)
     routed = np.bincount(rng.integers(0, GROUPS - 2, TOKENS * TOPK), minlength=GROUPS - 2)
     sizes = [int(s) for s in routed] + [SHARED_ROWS, SHARED_ROWS]
-    rows = sum(sizes)
     key = jax.random.key(0)
-    x = (jax.random.normal(key, (rows, DIM), jnp.float32) * 0.5).astype(jnp.bfloat16)
+    x = (jax.random.normal(key, (sum(sizes), DIM), jnp.float32) * 0.5).astype(jnp.bfloat16)
     w1, w3 = ((jax.random.normal(jax.random.fold_in(key, i), (LAYERS, GROUPS, INTER, DIM), jnp.float32) * 0.02)
               .astype(jnp.bfloat16) for i in (1, 2))
+    return sizes, x, w1, w3
+
+
+def main():
+    sizes, x, w1, w3 = swiglu_inputs()
     group_sizes = jnp.asarray(sizes, jnp.int32)
     weight_bytes = 2 * GROUPS * INTER * DIM * 2
     main_fn = lambda layer, ops: grouped_gemm_swiglu(ops[0], ops[1], ops[2], ops[3], layer=layer, block_m=32,

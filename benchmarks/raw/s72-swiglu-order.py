@@ -10,7 +10,9 @@ and two or one programs an SM walking the (tile, column block) items tile-major,
     cd <tree> && PYTHONPATH=.:scripts python3 <this> TAG OUT.json [tree]    (tree: the tree's launch only)
 Prints one JSON line a launch: µs (trace), TB/s of its weight bytes, the largest difference from main's output."""
 import functools
+import importlib.util
 import json
+import pathlib
 import sys
 
 import jax
@@ -23,8 +25,10 @@ from pallas_kernels._common import num_sms
 from pallas_kernels.grouped import grouped_gemm_swiglu, max_sized_tiles
 from profile_step import launch_us
 
-LAYERS, REPEATS = 6, 5
-GROUPS, INTER, DIM, TOKENS, TOPK, SHARED_ROWS = 66, 1408, 2048, 256, 6, 256
+_SPEC = importlib.util.spec_from_file_location("item86", pathlib.Path(__file__).with_name("s70-persistent-swiglu.py"))
+item86 = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(item86)
+LAYERS, REPEATS, GROUPS, INTER, DIM = item86.LAYERS, item86.REPEATS, item86.GROUPS, item86.INTER, item86.DIM
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 128
 
 
@@ -100,14 +104,8 @@ def table_swiglu(x, w1, w3, packed, tiles: int, layer, *, tile_major: bool, prog
 
 def main():
     tag, out_path = sys.argv[1], sys.argv[2]
-    rng = np.random.default_rng(0)
-    routed = np.bincount(rng.integers(0, GROUPS - 2, TOKENS * TOPK), minlength=GROUPS - 2)
-    sizes = [int(s) for s in routed] + [SHARED_ROWS, SHARED_ROWS]
+    sizes, x, w1, w3 = item86.swiglu_inputs()  # item 86's launch: the same rows and weights
     rows = sum(sizes)
-    key = jax.random.key(0)
-    x = (jax.random.normal(key, (rows, DIM), jnp.float32) * 0.5).astype(jnp.bfloat16)
-    w1, w3 = ((jax.random.normal(jax.random.fold_in(key, i), (LAYERS, GROUPS, INTER, DIM), jnp.float32) * 0.02)
-              .astype(jnp.bfloat16) for i in (1, 2))
     weight_bytes = 2 * GROUPS * INTER * DIM * 2
     main_fn = lambda layer, ops: grouped_gemm_swiglu(ops[0], ops[1], ops[2], ops[3], layer=layer, block_m=BLOCK_M,
                                                      block_n=BLOCK_N, num_stages=3)
