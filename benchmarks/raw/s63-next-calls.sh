@@ -64,8 +64,9 @@ case "${1:-}" in
     tree kb benchmarks/raw/s70-k-blocks.patch tests  # the grouped kernels' K steps of k_blocks 128-column blocks
     tree kbm benchmarks/raw/s70-k-blocks-model.patch tests  # and the model's fp8 decode launches two blocks a step
     tree tp benchmarks/raw/s72-tile-prologue.patch tests  # a program's tile from one scan and one sum of pairs
-    tree ord benchmarks/raw/s72-tile-major.patch tests  # the grouped launches' programs tile-major
-    tree walk benchmarks/raw/s72-walk.patch tests  # and launches over group sizes walk them, two programs an SM
+    after=; ! grep -q "def sized_tile_width" pallas_kernels/grouped.py || after=-after-tp  # tp merged: its patches
+    tree ord benchmarks/raw/s72-tile-major$after.patch tests  # the grouped launches' programs tile-major
+    tree walk benchmarks/raw/s72-walk$after.patch tests  # and launches over group sizes walk them, two programs an SM
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
