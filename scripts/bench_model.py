@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv3_jax
+from dsv3_jax.cli.common import leave_distributed_run
 from dsv3_jax.cli.distributed import start_distributed
 from dsv3_jax.config import ModelArgs
 from dsv3_jax.options import add_flags, choices, from_flags
@@ -350,3 +351,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if jax.distributed.is_initialized():
+        leave_distributed_run(0)

@@ -9,6 +9,7 @@ its traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, NoReturn, Sequence
 
@@ -39,7 +40,15 @@ def devices_used(model, asked: int | None) -> str:
 
 
 def run_cli(prog: str, main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> int:
-    """Run a command's `main`: 0 when it returns, 1 with one line for a user error, 130 on Ctrl-C."""
+    """Run a command's `main`: 0 when it returns, 1 with one line for a user error, 130 on Ctrl-C.
+    A process of a multi-process run ends here, with that code (`leave_distributed_run`)."""
+    code = _exit_code(prog, main, argv)
+    if jax.distributed.is_initialized():
+        leave_distributed_run(code)
+    return code
+
+
+def _exit_code(prog: str, main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None) -> int:
     try:
         main(argv)
     except USER_ERRORS as err:
@@ -49,6 +58,16 @@ def run_cli(prog: str, main: Callable[[Sequence[str] | None], None], argv: Seque
         print(file=sys.stderr)
         return 130
     return 0
+
+
+def leave_distributed_run(code: int) -> NoReturn:
+    """End this process of a jax.distributed run: wait at jax's shutdown barrier for the others
+    (process 0 serves the coordination they still use), then exit without the interpreter's
+    teardown, in which jaxlib's CPU client can hang for good joining an idle worker thread."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    jax.distributed.shutdown()
+    os._exit(code)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
