@@ -1,5 +1,6 @@
 """What every command-line tool of the package shares: an argument parser whose errors and help
-follow one style, and the wrapper that turns a user's mistake into one line on stderr.
+follow one style, and the wrapper that turns a user's mistake into one line on stderr (and ends each
+process of a multi-process run).
 
 A mistake the user can fix (a bad flag, path, config or checkpoint) is a `ValueError` (ConfigError,
 CheckpointError, TokenizerError, the tools' own errors) or an `OSError`; it ends the command with
