@@ -447,34 +447,50 @@ def max_sized_tiles(m: int, block_m: int, groups: int) -> int:
     return cdiv(m, block_m) + min(groups, m)
 
 
-def sized_tile(group_sizes: jax.Array, tile, *, m: int, block_m: int, groups: int | None = None) -> tuple:
+def sized_tile_width(groups: int) -> int:
+    """The power-of-two length of the group-size vector `sized_tile` reads: past the groups, a spare entry (0)."""
+    return max(16, 1 << groups.bit_length())
+
+
+def sized_tile(group_sizes: jax.Array, tile, *, m: int, block_m: int, groups: int) -> tuple:
     """Tile `tile` of M rows sorted by group, as (group, first row, end row, exists), int32 scalars, from the
-    group sizes alone (the first `groups` entries of `group_sizes`; the rest zeros, a kernel's power-of-two
-    vector). Each group's rows are tiles of block_m rows in order, ending at the group's end; the tiles past them
-    (exists 0) zero the rows past the groups' sum, block_m rows each, up to M. Vector ops only (a cumulative
-    sum, comparisons, sums): each grouped-kernel program computes its own, up to SIZED_TILE_MAX_GROUPS groups."""
-    groups = group_sizes.shape[0] if groups is None else groups
-    index = jnp.arange(group_sizes.shape[0], dtype=jnp.int32)
-    tiles = (group_sizes + block_m - 1) // block_m
-    tile_ends, ends = jnp.cumsum(tiles), jnp.cumsum(group_sizes)
-    used, total = jnp.sum(tiles), jnp.sum(group_sizes)
-    group = jnp.minimum(jnp.sum((tile_ends <= tile).astype(jnp.int32)), groups - 1)
+    group sizes alone (the first `groups` entries of `group_sizes`, a `sized_tile_width` vector; the rest zeros).
+    Each group's rows are tiles of block_m rows in order, ending at the group's end; the tiles past them
+    (exists 0, group `groups` - 1) zero the rows past the groups' sum, block_m rows each, up to M: they belong to
+    entry `groups`, a spare one whose tiles start where the groups' end and never end. One cumulative sum over
+    (tiles, rows) pairs and one sum of the owning entry's four values: a kernel's cross-warp reductions each cost
+    barriers before the program's first load (each grouped-kernel program computes its own, up to
+    SIZED_TILE_MAX_GROUPS groups)."""
+    width = group_sizes.shape[0]
+    if width <= groups:
+        raise ValueError(f"sized_tile: {width} group sizes leave no spare entry past {groups} groups")
+    index = jnp.arange(width, dtype=jnp.int32)
+    counts = jnp.stack([(group_sizes + block_m - 1) // block_m, group_sizes], axis=-1)
+    ends = jnp.cumsum(counts, axis=0)
+    (tile_start, row_start), (tile_end, row_end) = _pair(ends - counts), _pair(ends)
+    spare = index == groups
+    owner = (tile_start <= tile) & ((tile < tile_end) | spare)
+    values = jnp.stack([jnp.stack([jnp.where(spare, -1, index), row_start], axis=-1),
+                        jnp.stack([tile_start, jnp.where(spare, m, row_end)], axis=-1)], axis=-1)
+    (group, row), (first_tile, end) = map(_pair, _pair(jnp.sum(jnp.where(owner[:, None, None], values, 0), axis=0)))
+    exists = group >= 0
+    return (jnp.where(exists, group, groups - 1), row + (tile - first_tile) * block_m, end,
+            exists.astype(jnp.int32))
 
-    def pick(v):  # v[group], as a sum (no dynamic index into a kernel's vector)
-        return jnp.sum(jnp.where(index == group, v, 0))
 
-    exists = tile < used
-    group_end = pick(ends)
-    row = jnp.where(exists, group_end - pick(group_sizes) + (tile - pick(tile_ends) + pick(tiles)) * block_m,
-                    total + (tile - used) * block_m)
-    return group, row, jnp.where(exists, group_end, m), exists.astype(jnp.int32)
+def _pair(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """a[..., 0], a[..., 1] of a last axis of two (Triton splits a pair; it takes no other slice of a value)."""
+    first, second = jnp.split(a, 2, axis=-1)
+    return first.reshape(a.shape[:-1]), second.reshape(a.shape[:-1])
 
 
 def tile_schedule(group_sizes: jax.Array, m: int, block_m: int, layer=0) -> tuple[jax.Array, int]:
     """int32 (5, T): per tile (`sized_tile`) its group, first row, end row, 1 if the tile exists (0: its rows are
     zeroed), and the weight stack's layer, with T = `max_sized_tiles`: the schedule the kernel's programs compute."""
-    max_tiles = max_sized_tiles(m, block_m, group_sizes.shape[0])
-    tile = functools.partial(sized_tile, group_sizes.astype(jnp.int32), m=m, block_m=block_m)
+    groups = group_sizes.shape[0]
+    max_tiles = max_sized_tiles(m, block_m, groups)
+    padded = jnp.pad(group_sizes.astype(jnp.int32), (0, sized_tile_width(groups) - groups))
+    tile = functools.partial(sized_tile, padded, m=m, block_m=block_m, groups=groups)
     group, row, end, exists = jax.vmap(tile)(jnp.arange(max_tiles, dtype=jnp.int32))
     layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (max_tiles,))
     return jnp.stack([group, row, end, exists, layers]).astype(jnp.int32), max_tiles
@@ -522,7 +538,7 @@ class _Tile(NamedTuple):
 
 def _sized_program_tile(layer_ref, sizes_ref, tile, *, groups: int, m: int, block_m: int) -> _Tile:
     """Tile `tile` of the sorted rows (`sized_tile`), from the group sizes loaded as a power-of-two vector."""
-    width = max(16, 1 << (groups - 1).bit_length())
+    width = sized_tile_width(groups)
     sizes = plgpu.load(sizes_ref.at[pl.ds(0, width)], mask=jnp.arange(width) < groups, other=0)
     group, row, end, exists = sized_tile(sizes, tile, m=m, block_m=block_m, groups=groups)
     return _Tile(exists, group, layer_ref[0], row, end, row)

@@ -423,6 +423,31 @@ def test_tile_schedule_covers_every_row_once(m):
                                                          np.full(m - 69, -1)]))
 
 
+def schedule_by_enumeration(sizes, m: int, block_m: int) -> np.ndarray:
+    """(group, first row, end row, exists) of every tile, listed group by group, then block_m-row tiles over the
+    rows past the groups (exists 0, group G - 1), up to `max_sized_tiles` tiles."""
+    tiles, start = [], 0
+    for group, size in enumerate(sizes):
+        tiles += [(group, row, start + size, 1) for row in range(start, start + size, block_m)]
+        start += size
+    limit = -(-m // block_m) + len(sizes)
+    past = start + block_m * np.arange(limit - len(tiles))
+    return np.array(tiles + [(len(sizes) - 1, row, m, 0) for row in past], np.int64).reshape(-1, 4)
+
+
+@pytest.mark.parametrize("groups", [1, 6, 16, 64, 66, 129])
+def test_tile_schedule_lists_each_groups_tiles_in_order(groups):
+    """The tiles the programs compute (`sized_tile`) against a plain enumeration, with empty groups, group counts
+    at a power of two (the size vector's spare entry past them) and rows past the groups."""
+    rng = np.random.default_rng(groups)
+    for block_m in (1, 16, 32):
+        sizes = rng.integers(0, 40, groups) * (rng.random(groups) < 0.7)
+        m = int(sizes.sum()) + int(rng.integers(1, 50))
+        got = np.asarray(tile_schedule(jnp.asarray(sizes, jnp.int32), m, block_m, layer=2)[0])
+        np.testing.assert_array_equal(got[:4].T, schedule_by_enumeration(sizes, m, block_m))
+        assert (got[4] == 2).all()
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_rows_past_the_groups_are_zeroed_without_a_zeroed_buffer(fp8):
     """Three tiles' worth of rows past the groups: the launch's spare programs zero them (the interpreter fills an
@@ -431,12 +456,12 @@ def test_rows_past_the_groups_are_zeroed_without_a_zeroed_buffer(fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_many_groups_read_the_tile_table(fp8):
+def test_many_groups_read_the_tile_table(fp8, monkeypatch):
     """Past SIZED_TILE_MAX_GROUPS groups the programs read XLA's tile table (`tile_schedule`): 150 groups, most
     empty, a few of several tiles, and rows past the groups, which the table's spare tiles zero."""
     sizes = [0] * 150
     sizes[3], sizes[77], sizes[148], sizes[149] = 18, 1, 5, 33
-    assert len(sizes) > SIZED_TILE_MAX_GROUPS
+    monkeypatch.setattr("pallas_kernels.grouped.SIZED_TILE_MAX_GROUPS", min(SIZED_TILE_MAX_GROUPS, len(sizes) - 1))
     check(sizes, 64, 256, 16, 64, fp8, extra_rows=21)
 
 
@@ -495,8 +520,8 @@ def test_grouped_gemm_compiled_on_gpu(fp8):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
-def test_many_groups_read_the_tile_table_on_gpu(fp8):
-    test_many_groups_read_the_tile_table(fp8)
+def test_many_groups_read_the_tile_table_on_gpu(fp8, monkeypatch):
+    test_many_groups_read_the_tile_table(fp8, monkeypatch)
 
 
 @pytest.mark.gpu
