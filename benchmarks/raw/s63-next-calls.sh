@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-72 prepared for the next one (benchmarks/NOTES.md items 75-87), kept here because
+# The device calls sessions 60-74 prepared for the next one (benchmarks/NOTES.md items 75-89), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh tpsuite (item 87: the tile prologue's suite, then merge it) |
-#            order (item 87: main's grid order against the prototype's, the swiglu launch alone) | ordmodel (the
-#            tile-major grid in the model) | walkmodel (programs walking the tiles in the model) | suite | figures | kbfp8 | prefetch2 | mlasplits | tiles256 |
-#            profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | prefetch |
-#            weightfirst
-#            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
-#            act_quant, router and output128 merges of items 84, 85 and 87 are untimed there); prefetch2 on an H200
-#            (item 85: no gain on an H100); weightfirst: item 72 measured the same order as no gain)
+#   device:  bash benchmarks/raw/s63-next-calls.sh orddown (item 89: the b=256 swiglu and down launches alone, main
+#            against tile-major) | smmodel (item 89: the swiglu launches alone tile-major, in the model) | suite |
+#            figures | kbfp8 | prefetch2 | mlasplits | tiles256 | profile256 | v3slots | rowsplit | profiles |
+#            rotary | slots12 | projections | combo | prefetch | weightfirst
+#            (in that order of worth; suitewith raw/s74-swiglu-tile-major.patch before merging smmodel's patch; suite
+#            and figures on an H200 (neither has run on one since item 82: the act_quant, router, output128 and tile
+#            prologue merges of items 84, 85, 87 and 89 are untimed there); prefetch2 on an H200 (item 85: no gain on
+#            an H100); weightfirst: item 72 measured the same order as no gain. Done: tpsuite, order, ordmodel (item
+#            89); walkmodel dropped: item 89's `order` had the walking programs 5.6 % slower than main's launch)
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
@@ -67,6 +68,7 @@ case "${1:-}" in
     after=; ! grep -q "def sized_tile_width" pallas_kernels/grouped.py || after=-after-tp  # tp merged: its patches
     tree ord benchmarks/raw/s72-tile-major$after.patch tests  # the grouped launches' programs tile-major
     tree walk benchmarks/raw/s72-walk$after.patch tests  # and launches over group sizes walk them, two programs an SM
+    tree sm benchmarks/raw/s74-swiglu-tile-major.patch tests  # the swiglu launches alone tile-major (item 89)
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
@@ -77,7 +79,8 @@ case "${1:-}" in
     grep -c "FP8_DECODE_K_BLOCKS = 2" .device-data/var-kbm/dsv3_jax/model/moe.py
     grep -c "def sized_tile_width" .device-data/var-tp/pallas_kernels/grouped.py
     grep -c "tile, j = jax.lax.div(program, col_blocks)" .device-data/var-ord/pallas_kernels/grouped.py
-    grep -c "WALK_PROGRAMS_PER_SM = 2" .device-data/var-walk/pallas_kernels/grouped.py ;;
+    grep -c "WALK_PROGRAMS_PER_SM = 2" .device-data/var-walk/pallas_kernels/grouped.py
+    grep -c "def _program_coordinates" .device-data/var-sm/pallas_kernels/grouped.py ;;
   tpsuite)  # ~180 s (H100, warm; ~230 s with its start): the fast GPU suite with raw/s72-tile-prologue.patch (item
     # 87: V2-Lite b=256 step -0.1 %, generate() -0.3 % in two rounds; its suite ran clean but for the tile-table
     # test's GPU twin, which called it without monkeypatch, mended since); merge the patch if it passes
@@ -98,6 +101,22 @@ case "${1:-}" in
     # ordmodel2 if the first is close)
     AB_LIMIT=140 ab ord configs/config_16B.json 32,256 1
     AB_LIMIT=80 ab ord v3cut 1,16 1
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
+  orddown)  # ~200 s: item 89: the V2-Lite b=256 sorted launches alone (swiglu and down, 32 x 64, 4 warps, 3 stages:
+    # the model's), main against the tile-major tree: the swiglu launch alone was 6.6 % faster tile-major, the model
+    # 1.9 % slower; is it the down launch?
+    for v in main ord; do
+      LIMIT=120 in_tree $v python3 scripts/bench_grouped_decode.py --weights bf16 --shape 64,6,1408,2048 \
+        --shared-chunks 2 --layout sorted --batches 256 --block-m 32 --block-n 64 --warps 4 --stages 3 --max-sets 8 \
+        --out-dir "$R"
+      mv "$R"/grouped-decode-bf16-sorted-*.json "$R/orddown-$v.json"
+    done
+    pack ;;
+  smmodel)  # ~520 s: raw/s74-swiglu-tile-major.patch (the swiglu launches alone tile-major; item 89: the swiglu
+    # launch alone 6.6 % faster so, the model 1.9 % slower at b=256 with every launch tile-major) against main, as
+    # ordmodel (V2-Lite b=32, 256, the V3 cut gemm fp8 b=1, 16, with generate(), one round)
+    AB_LIMIT=140 ab sm configs/config_16B.json 32,256 1
+    AB_LIMIT=80 ab sm v3cut 1,16 1
     grep "decode b=\|generate b=" "$R/log"; pack ;;
   walkmodel)  # ~450 s: raw/s72-walk.patch (launches over group sizes on two programs an SM walking their items
     # tile-major: no program launched past the real tiles) against main, V2-Lite b=32 and 256 with generate(), two
