@@ -240,7 +240,8 @@ def test_grouped_tile_from_group_sizes_waits_on_few_barriers(experts, fp8, tmp_p
     """A "fused" down launch (2,048 sorted rows, 32 x 64 tiles: V2-Lite's 64 experts and 2 shared chunks, or V3's
     256 and one) finding its tile from the group sizes (`sized_tile`): its cumulative sum and sums over the
     power-of-two size vector cross the program's warps, and each crossing is a `bar.sync` every program waits on
-    before its first weight copy. Four, where a scan and a sum a value took 24 at V2-Lite's 66 groups."""
+    before its first weight copy: at most four, one scan and one sum over (tiles, rows) pairs (a scan and a sum
+    a value would take 24 at V2-Lite's 66 groups)."""
     rows, dim, inter, chunks = 2048, *((2048, 1408, 2) if experts == 64 else (7168, 2048, 1))
     w_dtype = jnp.float8_e4m3fn if fp8 else F
 
