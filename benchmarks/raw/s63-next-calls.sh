@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-74 prepared for the next one (benchmarks/NOTES.md items 75-89), kept here because
+# The device calls sessions 60-75 prepared for the next one (benchmarks/NOTES.md items 75-90), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh orddown (item 89: the b=256 swiglu and down launches alone, main
-#            against tile-major) | smmodel (item 89: the swiglu launches alone tile-major, in the model) | suite |
-#            figures | kbfp8 | prefetch2 | mlasplits | tiles256 | profile256 | v3slots | rowsplit | profiles |
-#            rotary | slots12 | projections | combo | prefetch | weightfirst
-#            (in that order of worth; suitewith raw/s74-swiglu-tile-major.patch before merging smmodel's patch; suite
-#            and figures on an H200 (neither has run on one since item 82: the act_quant, router, output128 and tile
-#            prologue merges of items 84, 85, 87 and 89 are untimed there); prefetch2 on an H200 (item 85: no gain on
-#            an H100); weightfirst: item 72 measured the same order as no gain. Done: tpsuite, order, ordmodel (item
-#            89); walkmodel dropped: item 89's `order` had the walking programs 5.6 % slower than main's launch)
+#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | kbfp8 | prefetch2 | mlasplits | tiles256 |
+#            profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | prefetch |
+#            weightfirst
+#            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
+#            act_quant, router, output128 and tile prologue merges of items 84, 85, 87 and 89 are untimed there);
+#            prefetch2 on an H200 (item 85: no gain on an H100); weightfirst: item 72 measured the same order as no
+#            gain. Done: tpsuite, order, ordmodel (item 89), smmodel (item 90). Dropped: walkmodel (item 89),
+#            orddown and the grid-order trees ord, sm, walk (item 90: tile-major swiglu launches lose in the model;
+#            the launches alone, which `bench_grouped_decode.py` times, are not the model's))
 # Results under $OUT/r, also tarred as $OUT/r.tgz (a call returns at most 8 files).
 set -u
 cd "$(dirname "$0")/../.."
