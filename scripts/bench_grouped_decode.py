@@ -17,8 +17,8 @@ weights run two forms of the product: "fp8" (activations from act_quant on the f
 act_quant's launch); bf16 weights the one form "bf16". Each timed call picks other experts (distinct input
 sets, as bench_kernels.py times), so every call streams its experts from HBM; the floor is the bytes of
 the distinct experts read at 4.3 TB/s. `--layout sorted` times what moe_impl "fused" runs instead (larger
-batches): the (token, choice) rows sorted by expert, each token's shared rows after them, the launches over
-group sizes, at each `--block-m`. Writes grouped-decode-<weights>[-sorted]-<gpu>.json and .md into --out-dir.
+batches): the (token, choice) rows sorted by expert, each token's shared rows after them, gathered from the tokens'
+rows by the swiglu launch itself, the launches over group sizes, at each `--block-m`. Writes grouped-decode-<weights>[-sorted]-<gpu>.json and .md into --out-dir.
 """
 from __future__ import annotations
 
@@ -76,7 +76,9 @@ def weights(sh: Shape) -> dict:
 
 def input_set(i: int, batch: int, sh: Shape) -> tuple:
     """The tokens' rows, their experts (batch, topk), the swiglu's output rows (routed slots token-major, then
-    each token's shared row) and the routed slots' weights: the slots form the model runs."""
+    each token's shared row) and the routed slots' weights: the slots form the model runs. The sorted layout
+    holds the group sizes in place of the experts, and after the weights each sorted row's token: the swiglu
+    launch gathers its rows from x by them, as "fused" does."""
     rng = np.random.default_rng(i)
     experts = np.stack([rng.choice(sh.experts, sh.topk, replace=False) for _ in range(batch)]).astype(np.int32)
     x = rng.standard_normal((batch, sh.dim)).astype(jnp.bfloat16)
@@ -88,17 +90,18 @@ def input_set(i: int, batch: int, sh: Shape) -> tuple:
         row_weights = np.concatenate([row_weights[order], np.ones(batch * sh.shared_chunks, np.float32)])
         sizes = np.concatenate([np.bincount(experts.reshape(-1), minlength=sh.experts),
                                 np.full(sh.shared_chunks, batch)]).astype(np.int32)
-        return tuple(jax.device_put(a) for a in (x[tokens], sizes, h, row_weights))
+        return tuple(jax.device_put(a) for a in (x, sizes, h, row_weights, tokens.astype(np.int32)))
     return tuple(jax.device_put(a) for a in (x, experts, h, row_weights))
 
 
 def kernel(form: str, which: str, w: dict, setting: dict, layout: str = "slots"):
-    """fn(x, experts, h, row_weights) running one of the two kernels in `form` with `setting`; in the sorted
-    layout `experts` holds the group sizes."""
-    def run(x, experts, h, row_weights):
-        x = x if which == "swiglu" else h
+    """fn(x, experts, h, row_weights[, x_rows]) running one of the two kernels in `form` with `setting`; in the
+    sorted layout `experts` holds the group sizes and the swiglu launch gathers x's rows by x_rows."""
+    def run(x, experts, h, row_weights, x_rows=None):
+        x, x_rows = (x, x_rows) if which == "swiglu" else (h, None)
         x, x_scale = act_quant(x) if form == "fp8" else (x, None)
-        groups = dict(group_sizes=experts) if layout == "sorted" else dict(group_sizes=None, slot_experts=experts)
+        groups = (dict(group_sizes=experts, x_rows=x_rows) if layout == "sorted"
+                  else dict(group_sizes=None, slot_experts=experts))
         if which == "swiglu":
             return grouped_gemm_swiglu(x, w["w1"][0], w["w3"][0], w1_scale=w["w1"][1], w3_scale=w["w3"][1], **groups,
                                        shared_w1=w["s1"][0], shared_w3=w["s3"][0], shared_w1_scale=w["s1"][1],
