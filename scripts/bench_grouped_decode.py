@@ -17,8 +17,9 @@ weights run two forms of the product: "fp8" (activations from act_quant on the f
 act_quant's launch); bf16 weights the one form "bf16". Each timed call picks other experts (distinct input
 sets, as bench_kernels.py times), so every call streams its experts from HBM; the floor is the bytes of
 the distinct experts read at 4.3 TB/s. `--layout sorted` times what moe_impl "fused" runs instead (larger
-batches): the (token, choice) rows sorted by expert, each token's shared rows after them, gathered from the tokens'
-rows by the swiglu launch itself, the launches over group sizes, at each `--block-m`. Writes grouped-decode-<weights>[-sorted]-<gpu>.json and .md into --out-dir.
+batches): the (token, choice) rows sorted by expert, each token's shared rows after them, gathered from
+the tokens' rows by the swiglu launch itself, the launches over group sizes, at each `--block-m`. Writes
+grouped-decode-<weights>[-sorted]-<gpu>.json and .md into --out-dir.
 """
 from __future__ import annotations
 
