@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-75 prepared for the next one (benchmarks/NOTES.md items 75-90), kept here because
+# The device calls sessions 60-76 prepared for the next one (benchmarks/NOTES.md items 75-91), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | kbfp8 | prefetch2 | mlasplits | tiles256 |
-#            profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo | prefetch |
-#            weightfirst
+#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | streamout | kbfp8 | prefetch2 | mlasplits |
+#            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo |
+#            prefetch | weightfirst
 #            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
 #            act_quant, router, output128 and tile prologue merges of items 84, 85, 87 and 89 are untimed there);
 #            prefetch2 on an H200 (item 85: no gain on an H100); weightfirst: item 72 measured the same order as no
@@ -47,6 +47,13 @@ ab() {  # TREE CONFIG BATCHES ROUND...: main against TREE, the decode step and g
   done; done
 }
 
+# streamout's tilings: the default first, then the streamed form by rows a program, chunk width, V tile, warps, stages
+STREAM_TILES='[{}, {"block_c": 64, "num_stages": 2}, {"block_c": 64, "block_v": 128, "num_warps": 8, "num_stages": 2},
+  {"block_c": 64, "block_b": 32, "block_v": 128, "num_warps": 8, "num_stages": 2},
+  {"block_c": 64, "block_b": 64, "block_v": 128, "num_warps": 8, "num_stages": 3},
+  {"block_c": 128, "block_b": 32, "block_v": 128, "num_warps": 8, "num_stages": 2},
+  {"block_c": 32, "block_b": 16, "block_v": 64, "num_warps": 4, "num_stages": 3}]'
+
 suite_with() {  # PATCH: the fast GPU suite with PATCH applied to the checkout (before merging it)
   patch -s -p1 < "$1" && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
   patch -s -R -p1 < "$1"
@@ -68,7 +75,7 @@ case "${1:-}" in
     after=; ! grep -q "def sized_tile_width" pallas_kernels/grouped.py || after=-after-tp  # tp merged: its patches
     tree ord benchmarks/raw/s72-tile-major$after.patch tests  # the grouped launches' programs tile-major
     tree walk benchmarks/raw/s72-walk$after.patch tests  # and launches over group sizes walk them, two programs an SM
-    tree sm benchmarks/raw/s74-swiglu-tile-major.patch tests  # the swiglu launches alone tile-major (item 89)
+    tree so benchmarks/raw/s76-streamed-output.patch tests  # mla_decode_output's block_c: the latent streamed
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
@@ -80,7 +87,16 @@ case "${1:-}" in
     grep -c "def sized_tile_width" .device-data/var-tp/pallas_kernels/grouped.py
     grep -c "tile, j = jax.lax.div(program, col_blocks)" .device-data/var-ord/pallas_kernels/grouped.py
     grep -c "WALK_PROGRAMS_PER_SM = 2" .device-data/var-walk/pallas_kernels/grouped.py
-    grep -c "def _program_coordinates" .device-data/var-sm/pallas_kernels/grouped.py ;;
+    grep -c "def _streamed_output_kernel" .device-data/var-so/pallas_kernels/mla.py ;;
+  streamout)  # ~230 s: raw/s76-streamed-output.patch's mla_decode_output streaming the latent in block_c-column
+    # chunks into a V tile's float32 accumulator (16-64 rows a program, loads pipelined over the chunks) against the
+    # default whole-latent programs, the launch alone at V2-Lite b=256, 128, 64, 32 (item 77's H200 profile: 587 us
+    # a step at b=256, 22.6 a layer against ~5 us of bytes), ten repeats; then the GPU twins of its tests
+    LIMIT=300 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json \
+      --batches 256,128,64,32 --kernels output --split-blocks 64 --repeats 10 --output-tiles "$STREAM_TILES"
+    (cd .device-data/var-so && PYTHONPATH=. timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/test_mla_decode.py -k streaming 2>&1 | tail -3 | tee -a "$R/log")
+    pack ;;
   tpsuite)  # ~180 s (H100, warm; ~230 s with its start): the fast GPU suite with raw/s72-tile-prologue.patch (item
     # 87: V2-Lite b=256 step -0.1 %, generate() -0.3 % in two rounds; its suite ran clean but for the tile-table
     # test's GPU twin, which called it without monkeypatch, mended since); merge the patch if it passes
