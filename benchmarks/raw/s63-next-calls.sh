@@ -3,9 +3,9 @@
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | streamout | kbfp8 | prefetch2 | mlasplits |
-#            tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections | combo |
-#            prefetch | weightfirst
+#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | streamout | somodel | kbfp8 | prefetch2 |
+#            mlasplits | tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections |
+#            combo | prefetch | weightfirst
 #            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
 #            act_quant, router, output128 and tile prologue merges of items 84, 85, 87 and 89 are untimed there);
 #            prefetch2 on an H200 (item 85: no gain on an H100); weightfirst: item 72 measured the same order as no
@@ -76,6 +76,8 @@ case "${1:-}" in
     tree ord benchmarks/raw/s72-tile-major$after.patch tests  # the grouped launches' programs tile-major
     tree walk benchmarks/raw/s72-walk$after.patch tests  # and launches over group sizes walk them, two programs an SM
     tree so benchmarks/raw/s76-streamed-output.patch tests  # mla_decode_output's block_c: the latent streamed
+    tree som benchmarks/raw/s76-streamed-output.patch tests  # and the model's decode streaming it above 16 rows
+    patch -s -p1 -d .device-data/var-som < benchmarks/raw/s76-streamed-output-model.patch
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
@@ -87,7 +89,13 @@ case "${1:-}" in
     grep -c "def sized_tile_width" .device-data/var-tp/pallas_kernels/grouped.py
     grep -c "tile, j = jax.lax.div(program, col_blocks)" .device-data/var-ord/pallas_kernels/grouped.py
     grep -c "WALK_PROGRAMS_PER_SM = 2" .device-data/var-walk/pallas_kernels/grouped.py
-    grep -c "def _streamed_output_kernel" .device-data/var-so/pallas_kernels/mla.py ;;
+    grep -c "def _streamed_output_kernel" .device-data/var-so/pallas_kernels/mla.py
+    grep -c "streamed = dict(block_c=64" .device-data/var-som/dsv3_jax/model/attention.py ;;
+  somodel)  # ~350 s: raw/s76-streamed-output-model.patch (the model's decode above 16 rows with a bf16 wkv_b streams
+    # the latent: block_c 64, 2 stages, the default V tiles) against main, V2-Lite b=32 and 256 with generate(), one
+    # round; edit the patch's tiling first if `streamout` found a better one
+    AB_LIMIT=170 ab som configs/config_16B.json 32,256 1
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
   streamout)  # ~230 s: raw/s76-streamed-output.patch's mla_decode_output streaming the latent in block_c-column
     # chunks into a V tile's float32 accumulator (16-64 rows a program, loads pipelined over the chunks) against the
     # default whole-latent programs, the launch alone at V2-Lite b=256, 128, 64, 32 (item 77's H200 profile: 587 us
