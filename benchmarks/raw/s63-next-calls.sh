@@ -96,6 +96,12 @@ case "${1:-}" in
     # round; edit the patch's tiling first if `streamout` found a better one
     AB_LIMIT=170 ab som configs/config_16B.json 32,256 1
     grep "decode b=\|generate b=" "$R/log"; pack ;;
+  sosm)  # ~560 s, one call for a session with little device time: streamout's sweep at b=256 and 32 only (five
+    # repeats, no GPU twins), then somodel
+    LIMIT=200 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json \
+      --batches 256,32 --kernels output --split-blocks 64 --repeats 5 --output-tiles "$STREAM_TILES"
+    AB_LIMIT=170 ab som configs/config_16B.json 32,256 1
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
   streamout)  # ~230 s: raw/s76-streamed-output.patch's mla_decode_output streaming the latent in block_c-column
     # chunks into a V tile's float32 accumulator (16-64 rows a program, loads pipelined over the chunks) against the
     # default whole-latent programs, the launch alone at V2-Lite b=256, 128, 64, 32 (item 77's H200 profile: 587 us
