@@ -54,6 +54,12 @@ STREAM_TILES='[{}, {"block_c": 64, "num_stages": 2}, {"block_c": 64, "block_v": 
   {"block_c": 128, "block_b": 32, "block_v": 128, "num_warps": 8, "num_stages": 2},
   {"block_c": 32, "block_b": 16, "block_v": 64, "num_warps": 4, "num_stages": 3}]'
 
+# and at V3 (an fp8 wkv_b: chunks of at most 128 columns, one scale each; 16-row programs even at b=1)
+STREAM_TILES_FP8='[{}, {"block_c": 64, "block_b": 16, "block_v": 128, "num_warps": 8, "num_stages": 2},
+  {"block_c": 128, "block_b": 16, "block_v": 128, "num_warps": 8, "num_stages": 2},
+  {"block_c": 64, "block_b": 16, "block_v": 64, "num_warps": 4, "num_stages": 3},
+  {"block_c": 128, "block_b": 16, "block_v": 32, "num_warps": 4, "num_stages": 2}]'
+
 suite_with() {  # PATCH: the fast GPU suite with PATCH applied to the checkout (before merging it)
   patch -s -p1 < "$1" && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
   patch -s -R -p1 < "$1"
@@ -96,6 +102,15 @@ case "${1:-}" in
     # round; edit the patch's tiling first if `streamout` found a better one
     AB_LIMIT=170 ab som configs/config_16B.json 32,256 1
     grep "decode b=\|generate b=" "$R/log"; pack ;;
+  streamv3)  # ~260 s, for a session with little device time: streamout's sweep at V2-Lite b=256 and 32 (five
+    # repeats, no GPU twins), then the V3 shape's fp8 wkv_b at b=1 and 8 (item 81: 10.3 us a layer at b=1 against
+    # ~2 us of bytes; its one-row programs merge the head's whole latent once per 16-wide V block): the default
+    # against 16-row programs streaming the latent into one V block
+    LIMIT=170 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json \
+      --batches 256,32 --kernels output --split-blocks 64 --repeats 5 --output-tiles "$STREAM_TILES"
+    LIMIT=150 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_671B.json --layers 8 \
+      --batches 1,8 --wkv-b fp8 --kernels output --split-blocks 64 --repeats 5 --output-tiles "$STREAM_TILES_FP8"
+    pack ;;
   sosm)  # ~560 s, one call for a session with little device time: streamout's sweep at b=256 and 32 only (five
     # repeats, no GPU twins), then somodel
     LIMIT=200 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json \
