@@ -102,6 +102,12 @@ case "${1:-}" in
     # round; edit the patch's tiling first if `streamout` found a better one
     AB_LIMIT=170 ab som configs/config_16B.json 32,256 1
     grep "decode b=\|generate b=" "$R/log"; pack ;;
+  streamlean)  # ~200 s: streamv3 at V2-Lite b=256 and V3 b=1 alone
+    LIMIT=110 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json \
+      --batches 256 --kernels output --split-blocks 64 --repeats 5 --output-tiles "$STREAM_TILES"
+    LIMIT=100 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_671B.json --layers 8 \
+      --batches 1 --wkv-b fp8 --kernels output --split-blocks 64 --repeats 5 --output-tiles "$STREAM_TILES_FP8"
+    pack ;;
   streamv3)  # ~260 s, for a session with little device time: streamout's sweep at V2-Lite b=256 and 32 (five
     # repeats, no GPU twins), then the V3 shape's fp8 wkv_b at b=1 and 8 (item 81: 10.3 us a layer at b=1 against
     # ~2 us of bytes; its one-row programs merge the head's whole latent once per 16-wide V block): the default
