@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The device calls sessions 60-76 prepared for the next one (benchmarks/NOTES.md items 75-91), kept here because
+# The device calls sessions 60-77 prepared for the next one (benchmarks/NOTES.md items 75-92), kept here because
 # .device-data/ and unmerged branches do not outlive a checkout. From the repository root:
 #   here:    bash benchmarks/raw/s63-next-calls.sh prep     # variant trees under .device-data/ (carry the
 #            .device-data/var-NAME trees a call runs: all of them pass the 64 MiB a call may carry)
-#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | streamout | somodel | kbfp8 | prefetch2 |
+#   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | streamv3 | somodel | kbfp8 | prefetch2 |
 #            mlasplits | tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections |
 #            combo | prefetch | weightfirst
+#            (streamv3: the streamed output at V2-Lite b=256, 32 and V3's fp8 b=1, 8; streamout adds b=128, 64 and
+#            its GPU twins; with little device time streamlean (b=256 and V3 b=1) or sosm (V2-Lite and somodel))
 #            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
 #            act_quant, router, output128 and tile prologue merges of items 84, 85, 87 and 89 are untimed there);
 #            prefetch2 on an H200 (item 85: no gain on an H100); weightfirst: item 72 measured the same order as no
