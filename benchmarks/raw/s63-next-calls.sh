@@ -6,7 +6,8 @@
 #   device:  bash benchmarks/raw/s63-next-calls.sh suite | figures | streamv3 | somodel | kbfp8 | prefetch2 |
 #            mlasplits | tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections |
 #            combo | prefetch | weightfirst
-#            (streamv3: the streamed output at V2-Lite b=256, 32 and V3's fp8 b=1, 8; streamout adds b=128, 64 and
+#            (streamv3: the streamed output at V2-Lite b=256, 32 and V3's fp8 b=1, 8, then so3model if V3 gains;
+#            streamout adds b=128, 64 and
 #            its GPU twins; with little device time streamlean (b=256 and V3 b=1) or sosm (V2-Lite and somodel))
 #            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
 #            act_quant, router, output128 and tile prologue merges of items 84, 85, 87 and 89 are untimed there);
@@ -86,6 +87,8 @@ case "${1:-}" in
     tree so benchmarks/raw/s76-streamed-output.patch tests  # mla_decode_output's block_c: the latent streamed
     tree som benchmarks/raw/s76-streamed-output.patch tests  # and the model's decode streaming it above 16 rows
     patch -s -p1 -d .device-data/var-som < benchmarks/raw/s76-streamed-output-model.patch
+    tree so3 benchmarks/raw/s76-streamed-output.patch tests  # and the model's decode with an fp8 wkv_b streaming it
+    patch -s -p1 -d .device-data/var-so3 < benchmarks/raw/s77-streamed-output-v3-model.patch
     grep -c _spread_exactly .device-data/var-rotary/pallas_kernels/rotary.py
     grep -c "chunk = (length" .device-data/var-rowsplit/pallas_kernels/mla.py
     grep -c "zero_missing" .device-data/var-pre/pallas_kernels/grouped.py
@@ -98,7 +101,13 @@ case "${1:-}" in
     grep -c "tile, j = jax.lax.div(program, col_blocks)" .device-data/var-ord/pallas_kernels/grouped.py
     grep -c "WALK_PROGRAMS_PER_SM = 2" .device-data/var-walk/pallas_kernels/grouped.py
     grep -c "def _streamed_output_kernel" .device-data/var-so/pallas_kernels/mla.py
-    grep -c "streamed = dict(block_c=64" .device-data/var-som/dsv3_jax/model/attention.py ;;
+    grep -c "streamed = dict(block_c=64" .device-data/var-som/dsv3_jax/model/attention.py
+    grep -c "streamed = {} if scale is None" .device-data/var-so3/dsv3_jax/model/attention.py ;;
+  so3model)  # ~250 s: raw/s77-streamed-output-v3-model.patch (the decode step's output launch with an fp8 wkv_b in
+    # 16-row programs streaming the latent in 64-column chunks into the head's whole V tile, at every batch) against
+    # main, the V3 cut gemm fp8 b=1 and 8 with generate(), one round; edit its tiling first to streamv3's best
+    AB_LIMIT=110 ab so3 v3cut 1,8 1
+    grep "decode b=\|generate b=" "$R/log"; pack ;;
   somodel)  # ~350 s: raw/s76-streamed-output-model.patch (the model's decode above 16 rows with a bf16 wkv_b streams
     # the latent: block_c 64, 2 stages, the default V tiles) against main, V2-Lite b=32 and 256 with generate(), one
     # round; edit the patch's tiling first if `streamout` found a better one
@@ -366,7 +375,7 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | micro70 | persistent | kblocks | kbmodel | suite | figures | splits4 | splits4one | prefetch2 | weightfirst | prefsuite | output128" \
+  *) echo "usage: $0 prep | streamv3 | streamlean | streamout | sosm | somodel | so3model | micro70 | persistent | kblocks | kbmodel | suite | figures | splits4 | splits4one | prefetch2 | weightfirst | prefsuite | output128" \
       "| mlasplits | tiles256 | profile256 | v3slots | rowsplit | profv3 | prefetch | profiles | rotary | slots12" \
       "| projections | combo | mla256" >&2; exit 2 ;;
 esac
