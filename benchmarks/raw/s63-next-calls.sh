@@ -7,8 +7,8 @@
 #            mlasplits | tiles256 | profile256 | v3slots | rowsplit | profiles | rotary | slots12 | projections |
 #            combo | prefetch | weightfirst
 #            (streamv3: the streamed output at V2-Lite b=256, 32 and V3's fp8 b=1, 8, then so3model if V3 gains;
-#            streamout adds b=128, 64 and
-#            its GPU twins; with little device time streamlean (b=256 and V3 b=1) or sosm (V2-Lite and somodel))
+#            streamout adds b=128, 64 and its GPU twins; with little device time streamlean (b=256 and V3 b=1)
+#            or sosm (V2-Lite's half of streamv3, then somodel))
 #            (in that order of worth; suite and figures on an H200 (neither has run on one since item 82: the
 #            act_quant, router, output128 and tile prologue merges of items 84, 85, 87 and 89 are untimed there);
 #            prefetch2 on an H200 (item 85: no gain on an H100); weightfirst: item 72 measured the same order as no
