@@ -63,6 +63,15 @@ STREAM_TILES_FP8='[{}, {"block_c": 64, "block_b": 16, "block_v": 128, "num_warps
   {"block_c": 64, "block_b": 16, "block_v": 64, "num_warps": 4, "num_stages": 3},
   {"block_c": 128, "block_b": 16, "block_v": 32, "num_warps": 4, "num_stages": 2}]'
 
+stream_sweep() {  # V2LITE_BATCHES [V3_BATCHES]: the output launch alone by STREAM_TILES at V2-Lite's shape, then
+  # by STREAM_TILES_FP8 at V3's with its fp8 wkv_b (eight layers: each launch reads one not in L2), five repeats
+  LIMIT=170 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json \
+    --batches "$1" --kernels output --split-blocks 64 --repeats 5 --output-tiles "$STREAM_TILES"
+  [ -z "${2:-}" ] || LIMIT=150 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_671B.json \
+    --layers 8 --batches "$2" --wkv-b fp8 --kernels output --split-blocks 64 --repeats 5 \
+    --output-tiles "$STREAM_TILES_FP8"
+}
+
 suite_with() {  # PATCH: the fast GPU suite with PATCH applied to the checkout (before merging it)
   patch -s -p1 < "$1" && PYTHON=python3 bash scripts/gpu_tests.sh > "$R/suite.log" 2>&1
   patch -s -R -p1 < "$1"
@@ -113,25 +122,15 @@ case "${1:-}" in
     # round; edit the patch's tiling first if `streamout` found a better one
     AB_LIMIT=170 ab som configs/config_16B.json 32,256 1
     grep "decode b=\|generate b=" "$R/log"; pack ;;
-  streamlean)  # ~200 s: streamv3 at V2-Lite b=256 and V3 b=1 alone
-    LIMIT=110 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json \
-      --batches 256 --kernels output --split-blocks 64 --repeats 5 --output-tiles "$STREAM_TILES"
-    LIMIT=100 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_671B.json --layers 8 \
-      --batches 1 --wkv-b fp8 --kernels output --split-blocks 64 --repeats 5 --output-tiles "$STREAM_TILES_FP8"
-    pack ;;
-  streamv3)  # ~260 s, for a session with little device time: streamout's sweep at V2-Lite b=256 and 32 (five
-    # repeats, no GPU twins), then the V3 shape's fp8 wkv_b at b=1 and 8 (item 81: 10.3 us a layer at b=1 against
-    # ~2 us of bytes; its one-row programs merge the head's whole latent once per 16-wide V block): the default
-    # against 16-row programs streaming the latent into one V block
-    LIMIT=170 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json \
-      --batches 256,32 --kernels output --split-blocks 64 --repeats 5 --output-tiles "$STREAM_TILES"
-    LIMIT=150 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_671B.json --layers 8 \
-      --batches 1,8 --wkv-b fp8 --kernels output --split-blocks 64 --repeats 5 --output-tiles "$STREAM_TILES_FP8"
-    pack ;;
+  streamlean) stream_sweep 256 1; pack ;;  # ~200 s: streamv3 at V2-Lite b=256 and V3 b=1 alone
+  streamv3)  # ~260 s: streamout's sweep at V2-Lite b=256 and 32 (five repeats, no GPU twins), then the V3 shape's
+    # fp8 wkv_b at b=1 and 8 (item 81: 10.3 us a layer at b=1 against ~2 us of bytes; its one-row programs merge the
+    # head's whole latent once per 16-wide V block): the default against 16-row programs streaming the latent into
+    # one V block
+    stream_sweep 256,32 1,8; pack ;;
   sosm)  # ~560 s, one call for a session with little device time: streamout's sweep at b=256 and 32 only (five
     # repeats, no GPU twins), then somodel
-    LIMIT=200 in_tree so python3 scripts/sweep_mla_tiles.py --config configs/config_16B.json \
-      --batches 256,32 --kernels output --split-blocks 64 --repeats 5 --output-tiles "$STREAM_TILES"
+    stream_sweep 256,32
     AB_LIMIT=170 ab som configs/config_16B.json 32,256 1
     grep "decode b=\|generate b=" "$R/log"; pack ;;
   streamout)  # ~230 s: raw/s76-streamed-output.patch's mla_decode_output streaming the latent in block_c-column
@@ -375,7 +374,8 @@ case "${1:-}" in
         --step unrolled --out "$R/prof-16B-b$b-unrolled.json"
     done
     pack ;;
-  *) echo "usage: $0 prep | streamv3 | streamlean | streamout | sosm | somodel | so3model | micro70 | persistent | kblocks | kbmodel | suite | figures | splits4 | splits4one | prefetch2 | weightfirst | prefsuite | output128" \
+  *) echo "usage: $0 prep | streamv3 | streamlean | streamout | sosm | somodel | so3model | micro70 | persistent" \
+      "| kblocks | kbmodel | suite | figures | splits4 | splits4one | prefetch2 | weightfirst | prefsuite | output128" \
       "| mlasplits | tiles256 | profile256 | v3slots | rowsplit | profv3 | prefetch | profiles | rotary | slots12" \
       "| projections | combo | mla256" >&2; exit 2 ;;
 esac
